@@ -1,0 +1,210 @@
+"""`mlxspec` command line: a thin layer over the Python API."""
+
+import sys
+
+import click
+
+from mlxspec import _blas
+
+_blas.preload_openblas()
+
+DRAFTERS = ("none", "lookup", "draft")
+
+
+def _fail(err: Exception):
+    raise click.ClickException(str(err)) from None
+
+
+def model_options(f):
+    f = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
+                     default="float32", show_default=True,
+                     help="Weights dtype when converting a .gguf or HF model on first use.")(f)
+    f = click.option("--model", "-m", default=None,
+                     help="Model directory, .gguf file or HF repo id. Default: the embedded "
+                          "SmolLM2-135M-Instruct.")(f)
+    return f
+
+
+def decoding_options(f):
+    options = [
+        click.option("--drafter", type=click.Choice(DRAFTERS), default="none", show_default=True,
+                     help="Source of draft tokens for speculative decoding."),
+        click.option("--draft-model", default=None,
+                     help="Draft model (same tokenizer) for --drafter draft."),
+        click.option("--num-draft", "-k", type=int, default=None,
+                     help="Drafts per step (default: the drafter's own)."),
+        click.option("--max-tokens", "-n", type=int, default=256, show_default=True),
+        click.option("--temp", type=float, default=0.0, show_default=True,
+                     help="Sampling temperature; 0 is greedy."),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--system", default=None, help="System prompt for the chat template."),
+        click.option("--no-chat-template", is_flag=True,
+                     help="Use the prompt as raw text instead of a chat message."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _check_decoding(num_draft, drafter, draft_model, max_tokens):
+    if num_draft is not None and num_draft < 1:
+        raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
+    if drafter == "draft" and not draft_model:
+        raise click.BadParameter("--drafter draft needs --draft-model", param_hint="--draft-model")
+    if max_tokens < 1:
+        raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
+
+
+def _load_all(model, dtype, drafter, draft_model, verbose):
+    import mlxspec
+
+    try:
+        target, tokenizer = mlxspec.load(model, dtype=dtype)
+        spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        _fail(err)
+    if verbose:
+        click.echo(f"BLAS: {_blas.blas_in_use()}", err=True)
+    return target, tokenizer, spec
+
+
+def build_prompt(tokenizer, messages, no_chat_template):
+    if no_chat_template or getattr(tokenizer, "chat_template", None) is None:
+        return "\n".join(m["content"] for m in messages)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _messages(system, history):
+    return ([{"role": "system", "content": system}] if system else []) + history
+
+
+@click.group()
+@click.version_option(package_name="mlxspec")
+def main():
+    """mlxspec: lossless speculative decoding on MLX."""
+
+
+@main.command()
+@click.option("--prompt", "-p", required=True, help="The prompt; '-' reads it from stdin.")
+@model_options
+@decoding_options
+@click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
+def generate(prompt, model, dtype, drafter, draft_model, num_draft, max_tokens, temp, top_p,
+             top_k, min_p, seed, system, no_chat_template, verbose):
+    """Generate a reply to one prompt."""
+    import mlxspec
+    from mlxspec.generate import format_stats
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
+    _check_decoding(num_draft, drafter, draft_model, max_tokens)
+    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose)
+    text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
+                        no_chat_template)
+    last = None
+    try:
+        for last in mlxspec.stream_generate(
+            target, tokenizer, text, max_tokens, drafter=spec, num_draft=num_draft, temp=temp,
+            top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+        ):
+            click.echo(last.text, nl=False)
+    except ValueError as err:
+        _fail(err)
+    click.echo()
+    if verbose and last is not None:
+        click.echo("=" * 10, err=True)
+        click.echo(format_stats(last), err=True)
+
+
+@main.command()
+@model_options
+@decoding_options
+@click.option("--color/--no-color", default=None,
+              help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
+def chat(model, dtype, drafter, draft_model, num_draft, max_tokens, temp, top_p, top_k, min_p,
+         seed, system, no_chat_template, color):
+    """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
+    import mlxspec
+
+    _check_decoding(num_draft, drafter, draft_model, max_tokens)
+    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose=False)
+    color = sys.stdout.isatty() if color is None else color
+    history = []
+    click.echo("mlxspec chat: /reset clears the history, /quit exits.")
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            click.echo()
+            continue
+        command = line.strip()
+        if command in ("/quit", "/exit"):
+            break
+        if command == "/reset":
+            history = []
+            click.echo("(history cleared)")
+            continue
+        if not command:
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = build_prompt(tokenizer, _messages(system, history), no_chat_template)
+        reply, last = "", None
+        try:
+            for last in mlxspec.stream_generate(
+                target, tokenizer, prompt, max_tokens, drafter=spec, num_draft=num_draft,
+                temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+            ):
+                reply += last.text
+                shown = click.style(last.text, fg="cyan") if color and last.from_draft else last.text
+                click.echo(shown, nl=False)
+        except KeyboardInterrupt:
+            click.echo("\n(interrupted)")
+        except ValueError as err:  # e.g. the conversation outgrew the context window
+            history.pop()
+            click.echo(f"\nError: {err}", err=True)
+            continue
+        history.append({"role": "assistant", "content": reply})
+        click.echo()
+        if last is not None:
+            click.echo(_turn_summary(last), err=True)
+
+
+def _turn_summary(r) -> str:
+    summary = f"[{r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s"
+    if r.drafter != "none":
+        summary += (f", {r.drafter}: tau {r.tau:.2f}, accepted {r.accepted}/{r.drafted}"
+                    f" ({100 * r.acceptance_rate:.0f}%)")
+    return summary + "]"
+
+
+@main.command()
+@click.argument("source")
+@click.option("--out", "-o", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Output directory (written atomically).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Cast dense weights (GGUF default: float32).")
+@click.option("--quantize", "-q", is_flag=True, help="Quantize to MLX affine weights.")
+@click.option("--q-bits", type=int, default=4, show_default=True)
+@click.option("--q-group-size", type=int, default=64, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+def convert(source, out_dir, dtype, quantize, q_bits, q_group_size, overwrite):
+    """Convert a Hugging Face repo/directory or a .gguf file into an MLX model directory."""
+    from mlxspec.converters import convert as convert_any
+
+    try:
+        out = convert_any(source, out_dir, dtype=dtype, quantize=quantize, q_bits=q_bits,
+                          q_group_size=q_group_size, overwrite=overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        _fail(err)
+    click.echo(f"Wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

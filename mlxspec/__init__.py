@@ -1,0 +1,31 @@
+"""mlxspec: lossless speculative decoding on MLX.
+
+    import mlxspec
+    model, tokenizer = mlxspec.load()            # embedded SmolLM2-135M-Instruct
+    text = mlxspec.generate(model, tokenizer, "Hello", max_tokens=64, drafter="lookup")
+"""
+
+from ._blas import blas_in_use, preload_openblas
+
+preload_openblas()  # before anything imports mlx.core
+
+from .drafters import load_drafter  # noqa: E402
+from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
+from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
+from .loading import load  # noqa: E402
+from .sampling import SamplingConfig  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "Draft",
+    "Drafter",
+    "GenerationResponse",
+    "SamplingConfig",
+    "SpecStats",
+    "Verdict",
+    "blas_in_use",
+    "generate",
+    "load",
+    "load_drafter",
+    "stream_generate",
+]

@@ -1,0 +1,42 @@
+"""Drafters: sources of draft tokens, all verified by the one loop in `mlxspec.engine`."""
+
+from ..engine import Drafter
+from .draft_model import DraftModelDrafter, check_same_tokenizer
+from .lookup import PromptLookupDrafter
+
+DRAFTER_KINDS = ("none", "lookup", "draft")
+
+
+def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **options) -> Drafter:
+    """Build a drafter for `model`, checking it against the target before any compute.
+
+    kind: "none", "lookup" (options: max_ngram, min_ngram) or "draft" (path: a draft model with
+    the target's tokenizer, as a converted directory, a .gguf file or a Hugging Face repo id).
+    """
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
+    if kind == "none":
+        return Drafter()
+    if kind == "lookup":
+        return PromptLookupDrafter(**options)
+    if path is None:
+        raise ValueError("the draft drafter needs a draft model path (--draft-model)")
+    from ..loading import load
+
+    draft_model, draft_tokenizer = load(path, **options)
+    check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
+    return DraftModelDrafter(draft_model)
+
+
+def vocab_size(model) -> int:
+    return int(model.args.vocab_size)
+
+
+def resolve_drafter(drafter, *, model, tokenizer) -> Drafter:
+    if drafter is None:
+        return Drafter()
+    if isinstance(drafter, str):
+        return load_drafter(drafter, model=model, tokenizer=tokenizer)
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must be a Drafter or a name, got {type(drafter).__name__}")
+    return drafter

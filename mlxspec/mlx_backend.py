@@ -1,0 +1,113 @@
+"""The MLX target: forward passes, acceptance and cache trimming for the shared loop."""
+
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from .acceptance import accept_greedy, accept_sampled
+from .engine import Draft, Verdict
+from .hidden_states import capture_layer_outputs, concat_features
+from .sampling import SamplingConfig, sample_token
+
+
+def context_length(model) -> int | None:
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None) if args is not None else None
+
+
+def untrimmable_caches(cache: list) -> list[str]:
+    """Names of cache types that can never roll back (mlx-lm's ArraysCache for SSM layers...)."""
+    names = []
+    for c in cache:
+        if not hasattr(c, "trim") or type(c).__name__ in ("ArraysCache", "MambaCache"):
+            names.append(type(c).__name__)
+    return sorted(set(names))
+
+
+class MLXTarget:
+    """Wraps an mlx-lm model and its KV cache for one generation."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        capture_layers: Sequence[int] = (),
+        speculative: bool = False,
+        prefill_step_size: int = 2048,
+        cache: list | None = None,
+    ):
+        self.model = model
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.context_length = context_length(model)
+        self.capture_layers = tuple(capture_layers)
+        self.prefill_step_size = prefill_step_size
+        if speculative:
+            bad = untrimmable_caches(self.cache)
+            if bad:
+                raise ValueError(
+                    f"speculative decoding needs a cache that can roll back rejected drafts; this "
+                    f"model uses {', '.join(bad)}, which cannot. Use --drafter none."
+                )
+
+    def _forward(self, tokens: mx.array):
+        with capture_layer_outputs(self.model, self.capture_layers) as hidden:
+            logits = self.model(tokens[None], cache=self.cache)
+        features = concat_features(hidden)[0] if hidden else None
+        return logits[0], features
+
+    def prefill(self, tokens: Sequence[int]):
+        """Process all tokens but the last; return their captured features (L-1, H*n) or None."""
+        body = mx.array(list(tokens[:-1]), dtype=mx.int32)
+        features = []
+        for start in range(0, body.shape[0], self.prefill_step_size):
+            _, chunk_features = self._forward(body[start : start + self.prefill_step_size])
+            if chunk_features is not None:
+                features.append(chunk_features)
+            mx.eval([c.state for c in self.cache] + features)
+            mx.clear_cache()
+        if not self.capture_layers:
+            return None
+        if not features:
+            return mx.zeros((0, 0))
+        return mx.concatenate(features, axis=0)
+
+    def verify(self, pending: int, draft: Draft, sampling: SamplingConfig) -> Verdict:
+        """One forward pass over [pending, drafts]; acceptance; one host sync."""
+        if isinstance(draft.tokens, list):
+            drafts = mx.array(draft.tokens, dtype=mx.int32)
+        else:
+            drafts = draft.tokens.astype(mx.int32)
+        inputs = mx.concatenate([mx.array([pending], dtype=mx.int32), drafts])
+        logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
+        if drafts.shape[0] == 0:
+            accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
+        elif sampling.greedy:
+            accepted, next_token = accept_greedy(logits, drafts)
+        else:
+            accepted, next_token = accept_sampled(logits, drafts, draft.probs, sampling)
+        packed = mx.concatenate(
+            [drafts, accepted.astype(mx.int32)[None], next_token.astype(mx.int32)[None]]
+        )
+        to_eval = [packed] + ([features] if features is not None else [])
+        mx.eval(*to_eval)
+        host = packed.tolist()
+        num_accepted = host[-2]
+        return Verdict(
+            draft_tokens=host[:-2],
+            accepted=num_accepted,
+            next_token=host[-1],
+            features=features[: num_accepted + 1] if features is not None else None,
+        )
+
+    def trim(self, n: int) -> None:
+        if n > 0:
+            for c in self.cache:
+                c.trim(n)
+
+    def can_trim(self) -> bool:
+        return all(c.is_trimmable() for c in self.cache)
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset if self.cache else 0

@@ -1,0 +1,139 @@
+"""The shared loop on tiny models: identity, stats accounting, cache rollback, bad input."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import tiny_llama
+
+from mlxspec.drafters import DraftModelDrafter, PromptLookupDrafter, load_drafter
+from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
+from mlxspec.mlx_backend import MLXTarget
+from mlxspec.sampling import SamplingConfig
+
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab=40, seed=1, sharpness=8.0)
+
+
+@pytest.fixture(scope="module")
+def small_draft():
+    return tiny_llama(vocab=40, hidden=16, layers=1, seed=2, sharpness=8.0)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes a fixed token pattern: accept/reject patterns the test can predict."""
+
+    name = "scripted"
+
+    def __init__(self, pattern):
+        self.pattern = pattern
+
+    def propose(self, tokens, k, sampling):
+        return Draft(tokens=[self.pattern[(len(tokens) + i) % len(self.pattern)] for i in range(k)])
+
+
+def run(model, drafter, prompt, max_tokens=40, k=4, sampling=GREEDY):
+    stats = SpecStats()
+    target = MLXTarget(model, speculative=True)
+    out = list(
+        speculative_tokens(
+            target, drafter, prompt, sampling=sampling, max_tokens=max_tokens, num_draft=k,
+            stats=stats,
+        )
+    )
+    return [t for t, _ in out], [d for _, d in out], stats, target
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 7], [5, 9, 11, 13, 5, 9, 11, 13, 5, 9], [3]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_identity_every_drafter(target, small_draft, prompt, k):
+    plain, _, plain_stats, _ = run(target, Drafter(), prompt, k=k)
+    assert plain_stats.tau == 1.0 and plain_stats.target_passes == 40
+    for drafter in (
+        PromptLookupDrafter(),
+        DraftModelDrafter(small_draft),
+        ScriptedDrafter([1, 2, 3, 5, 8]),
+    ):
+        out, _, stats, _ = run(target, drafter, prompt, k=k)
+        assert out == plain, drafter.name
+        assert stats.generated == 40
+        assert stats.accepted + stats.target_passes == 40  # every pass adds exactly one own token
+
+
+def test_draft_equal_to_target_accepts_everything(target):
+    k = 4
+    out, from_draft, stats, _ = run(target, DraftModelDrafter(target), [1, 2, 3], max_tokens=20, k=k)
+    assert stats.acceptance_per_position == [1.0] * k
+    assert stats.tau == 5.0
+    # Each pass: k drafted tokens then the target's own one.
+    assert from_draft == ([True] * k + [False]) * 4
+
+
+def test_stats_per_position_accounting(target):
+    _, _, stats, _ = run(target, ScriptedDrafter([1, 2, 3, 5, 8]), [1, 2, 3], k=3)
+    assert stats.drafted == sum(stats.drafted_per_position)
+    assert stats.accepted == sum(stats.accepted_per_position)
+    rates = stats.acceptance_per_position
+    assert all(a >= b for a, b in zip(rates, rates[1:]))  # acceptance only stops, never resumes
+
+
+def cache_arrays(cache, length):
+    return [(c.keys[..., :length, :], c.values[..., :length, :]) for c in cache]
+
+
+@pytest.mark.parametrize("drafter_kind", ["scripted", "self", "small"])
+def test_cache_rollback_equals_fresh_cache(target, small_draft, drafter_kind):
+    drafter = {
+        "scripted": ScriptedDrafter([4, 4, 9, 1]),
+        "self": DraftModelDrafter(target),
+        "small": DraftModelDrafter(small_draft),
+    }[drafter_kind]
+    prompt = [1, 2, 3, 4, 5]
+    out, _, stats, spec_target = run(target, drafter, prompt, max_tokens=25, k=5)
+    committed = prompt + out
+    assert spec_target.offset == len(committed) - 1  # everything but the pending token
+
+    fresh = make_prompt_cache(target)
+    target(mx.array(committed[:-1])[None], cache=fresh)
+    for (k1, v1), (k2, v2) in zip(cache_arrays(spec_target.cache, len(committed) - 1),
+                                  cache_arrays(fresh, len(committed) - 1)):
+        assert mx.allclose(k1, k2, atol=1e-4).item() and mx.allclose(v1, v2, atol=1e-4).item()
+
+
+def test_draft_model_cache_reuses_valid_prefix(target, small_draft):
+    drafter = DraftModelDrafter(small_draft)
+    run(target, drafter, [1, 2, 3, 4], max_tokens=30, k=4)
+    # The draft cache holds exactly the tokens it believes it has seen.
+    assert drafter.cache[0].offset == len(drafter._seen)
+
+
+def test_lookup_proposes_most_recent_match():
+    lookup = PromptLookupDrafter(max_ngram=2, min_ngram=1)
+    tokens = [5, 6, 1, 5, 6, 2, 3, 5, 6]
+    assert lookup.propose(tokens, 3, GREEDY).tokens == [2, 3, 5]
+    assert lookup.propose(tokens + [2], 2, GREEDY).tokens == [3, 5]  # index grows incrementally
+    assert len(lookup.propose([1, 2, 3, 4], 3, GREEDY)) == 0
+
+
+def test_bad_input(target):
+    with pytest.raises(ValueError, match="num_draft"):
+        run(target, PromptLookupDrafter(), [1, 2], k=0)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        load_drafter("medusa", model=target, tokenizer=None)
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDrafter(max_ngram=1, min_ngram=2)
+
+
+def test_max_tokens_and_context_window_respected(target):
+    out, _, stats, _ = run(target, DraftModelDrafter(target), [1, 2, 3], max_tokens=7, k=4)
+    assert len(out) == 7 and stats.generated == 7
+    # Near the end of the context window drafts shrink instead of overflowing.
+    prompt = list(range(1, 40)) * 6 + [1] * 10  # 244 tokens, window 256
+    out, _, _, spec_target = run(target, DraftModelDrafter(target), prompt, max_tokens=12, k=8)
+    assert len(out) == 12 and spec_target.offset <= 256
