@@ -86,29 +86,28 @@ def _gguf_cache_name(gguf: Path, dtype: str) -> str:
 
 def resolve_model_dir(path_or_repo: str | os.PathLike | None = None, *, dtype: str = "float32") -> Path:
     """Return an mlx-lm model directory for the reference, converting into the cache if needed."""
-    from .converters import convert
-
     if path_or_repo is None:
-        out = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
-        if not out.is_dir():
-            convert(default_gguf_path(), out, dtype=dtype)
-        return out
+        return _converted_once(default_gguf_path(), f"{DEFAULT_MODEL_NAME}-{dtype}", dtype)
     ref = str(path_or_repo)
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        out = cache_dir() / "models" / _gguf_cache_name(path, dtype)
-        if not out.is_dir():
-            convert(path, out, dtype=dtype)
-        return out
+        return _converted_once(path, _gguf_cache_name(path, dtype), dtype)
     if path.exists():
         raise ValueError(f"{ref} is neither a model directory nor a .gguf file")
     if not _REPO_ID.match(ref) or ref.endswith(".gguf"):
         raise FileNotFoundError(f"no such model directory or file: {ref}")
-    out = cache_dir() / "models" / ("hf-" + ref.replace("/", "--") + f"-{dtype}")
+    return _converted_once(ref, "hf-" + ref.replace("/", "--") + f"-{dtype}", dtype)
+
+
+def _converted_once(source, name: str, dtype: str) -> Path:
+    """Convert into the cache on first use; the atomic writer means a present dir is complete."""
+    out = cache_dir() / "models" / name
     if not out.is_dir():
-        convert(ref, out, dtype=dtype)
+        from .converters import convert
+
+        convert(source, out, dtype=dtype)
     return out
 
 
