@@ -1,0 +1,58 @@
+"""Shared fixtures: the real default model (converted once into the repo's ignored cache)."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("MLXSPEC_CACHE", str(ROOT / ".cache"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+
+import mlxspec  # noqa: E402  (loads OpenBLAS before anything imports mlx.core)
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    from mlxspec.loading import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_dir):
+    return mlxspec.load(smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm_first_layers(smollm_dir, tmp_path_factory):
+    """A draft model derived from the target: its first 6 of 30 layers, same tokenizer files.
+
+    No second small model shares SmolLM2's tokenizer offline; this one is honest and cheap.
+    """
+    import json
+
+    import mlx.core as mx
+
+    keep = 6
+    out = tmp_path_factory.mktemp("smollm_first_layers")
+    config = json.loads((smollm_dir / "config.json").read_text())
+    config["num_hidden_layers"] = keep
+    (out / "config.json").write_text(json.dumps(config))
+    weights = {}
+    for shard in smollm_dir.glob("*.safetensors"):
+        for name, w in mx.load(str(shard)).items():
+            if ".layers." not in name or int(name.split(".layers.")[1].split(".")[0]) < keep:
+                weights[name] = w
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    for f in smollm_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
