@@ -206,5 +206,74 @@ def convert(source, out_dir, dtype, quantize, q_bits, q_group_size, overwrite):
     click.echo(f"Wrote {out}")
 
 
+def _csv(kind):
+    def parse(ctx, param, value):
+        try:
+            return [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+
+    return parse
+
+
+@main.command()
+@model_options
+@click.option("--drafters", default="none,lookup", show_default=True, callback=_csv(str),
+              help=f"Comma-separated, from: {', '.join(DRAFTERS)}.")
+@click.option("--draft-model", default=None, help="Draft model for the draft drafter and mlx-lm.")
+@click.option("--suite", "suites", default="humaneval,mtbench,copy", show_default=True,
+              callback=_csv(str), help="Comma-separated prompt suites.")
+@click.option("--temp", "temps", default="0", show_default=True, callback=_csv(float),
+              help="Comma-separated temperatures.")
+@click.option("--max-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--limit", type=int, default=10, show_default=True, help="Prompts per suite.")
+@click.option("--num-draft", "-k", type=int, default=None)
+@click.option("--mlx-lm/--no-mlx-lm", "with_mlx_lm", default=True,
+              help="Also run mlx-lm (plain, and --draft-model) on the same prompts.")
+@click.option("--mlx-lm-num-draft", type=int, default=4, show_default=True)
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
+@click.option("--markdown", default=None, type=click.Path(dir_okay=False),
+              help="Also write the results table as Markdown.")
+def bench(model, dtype, drafters, draft_model, suites, temps, max_tokens, limit, num_draft,
+          with_mlx_lm, mlx_lm_num_draft, out, markdown):
+    """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
+    import mlxspec
+    from mlxspec.bench import SUITES, markdown_table, run_benchmark, save_report
+
+    bad = [d for d in drafters if d not in DRAFTERS]
+    if bad:
+        raise click.BadParameter(f"unknown drafter(s) {bad}", param_hint="--drafters")
+    bad = [s for s in suites if s not in SUITES]
+    if bad:
+        raise click.BadParameter(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}",
+                                 param_hint="--suite")
+    if "draft" in drafters and not draft_model:
+        raise click.BadParameter("the draft drafter needs --draft-model", param_hint="--draft-model")
+    try:
+        target, tokenizer = mlxspec.load(model, dtype=dtype)
+        built = {d: mlxspec.load_drafter(d, draft_model if d == "draft" else None,
+                                         model=target, tokenizer=tokenizer) for d in drafters}
+        lm_draft = built["draft"].model if "draft" in built else (
+            mlxspec.load(draft_model, dtype=dtype)[0] if draft_model else None)
+    except (ValueError, FileNotFoundError) as err:
+        _fail(err)
+    click.echo(f"BLAS: {_blas.blas_in_use()}", err=True)
+    report = run_benchmark(
+        target, tokenizer, drafters=built, suites=suites, temps=temps, max_tokens=max_tokens,
+        limit=limit, num_draft=num_draft, mlx_lm_draft_model=lm_draft,
+        mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"
+    report["settings"]["draft_model"] = draft_model
+    table = markdown_table(report)
+    click.echo(table)
+    if out:
+        save_report(report, out)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(table + "\n")
+
+
 if __name__ == "__main__":
     main()

