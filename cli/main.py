@@ -33,6 +33,8 @@ def decoding_options(f):
                      help="Draft model (same tokenizer) for --drafter draft."),
         click.option("--num-draft", "-k", type=int, default=None,
                      help="Drafts per step (default: the drafter's own)."),
+        click.option("--adaptive/--fixed-k", default=True, show_default=True,
+                     help="Draft fewer than --num-draft while live acceptance is low."),
         click.option("--max-tokens", "-n", type=int, default=256, show_default=True),
         click.option("--temp", type=float, default=0.0, show_default=True,
                      help="Sampling temperature; 0 is greedy."),
@@ -92,8 +94,8 @@ def main():
 @model_options
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
-def generate(prompt, model, dtype, drafter, draft_model, num_draft, max_tokens, temp, top_p,
-             top_k, min_p, seed, system, no_chat_template, verbose):
+def generate(prompt, model, dtype, drafter, draft_model, num_draft, adaptive, max_tokens, temp,
+             top_p, top_k, min_p, seed, system, no_chat_template, verbose):
     """Generate a reply to one prompt."""
     import mlxspec
     from mlxspec.generate import format_stats
@@ -109,8 +111,8 @@ def generate(prompt, model, dtype, drafter, draft_model, num_draft, max_tokens, 
     last = None
     try:
         for last in mlxspec.stream_generate(
-            target, tokenizer, text, max_tokens, drafter=spec, num_draft=num_draft, temp=temp,
-            top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+            target, tokenizer, text, max_tokens, drafter=spec, num_draft=num_draft,
+            adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
         ):
             click.echo(last.text, nl=False)
     except ValueError as err:
@@ -126,8 +128,8 @@ def generate(prompt, model, dtype, drafter, draft_model, num_draft, max_tokens, 
 @decoding_options
 @click.option("--color/--no-color", default=None,
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
-def chat(model, dtype, drafter, draft_model, num_draft, max_tokens, temp, top_p, top_k, min_p,
-         seed, system, no_chat_template, color):
+def chat(model, dtype, drafter, draft_model, num_draft, adaptive, max_tokens, temp, top_p, top_k,
+         min_p, seed, system, no_chat_template, color):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
 
@@ -159,7 +161,7 @@ def chat(model, dtype, drafter, draft_model, num_draft, max_tokens, temp, top_p,
         try:
             for last in mlxspec.stream_generate(
                 target, tokenizer, prompt, max_tokens, drafter=spec, num_draft=num_draft,
-                temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
             ):
                 reply += last.text
                 shown = click.style(last.text, fg="cyan") if color and last.from_draft else last.text

@@ -59,11 +59,12 @@ class RunResult:
         return d
 
 
-def _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp, seed, result):
+def _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp, seed, result,
+          adaptive=True):
     start = time.perf_counter()
     first = last = None
     for last in stream_generate(model, tokenizer, prompt, max_tokens, drafter=drafter,
-                                num_draft=num_draft, temp=temp, seed=seed):
+                                num_draft=num_draft, adaptive=adaptive, temp=temp, seed=seed):
         if first is None:
             first = time.perf_counter()
     end = time.perf_counter()

@@ -114,6 +114,40 @@ class SpecStats:
         return [a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
 
+class AdaptiveDraftLength:
+    """Choose K each step from live acceptance, so useless drafts stop costing verify work.
+
+    Keeps a running estimate of P(draft i accepted | draft i-1 accepted) per position; drafting
+    position i pays off while the chance it is accepted (the product up to i) exceeds the extra
+    cost of one more verified token relative to a decode pass (`token_cost`). When even the first
+    draft does not pay, one draft is still tried every `probe_every` steps to notice a change.
+    """
+
+    def __init__(self, max_k: int, token_cost: float = 0.15, decay: float = 0.8, probe_every: int = 8):
+        self.max_k, self.token_cost, self.decay, self.probe_every = max_k, token_cost, decay, probe_every
+        self.conditional = [1.0] * max_k  # optimistic start: try full drafts first
+        self.idle_steps = 0
+
+    def next_k(self) -> int:
+        k, reach = 0, 1.0
+        for rate in self.conditional:
+            reach *= rate
+            if reach < self.token_cost:
+                break
+            k += 1
+        if k == 0:
+            self.idle_steps += 1
+            if self.idle_steps >= self.probe_every:
+                self.idle_steps, k = 0, 1
+        return k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        # Position i was "reached" if all before it were accepted; it counts only then.
+        for i in range(min(drafted, accepted + 1)):
+            hit = 1.0 if i < accepted else 0.0
+            self.conditional[i] = self.decay * self.conditional[i] + (1 - self.decay) * hit
+
+
 def speculative_tokens(
     target: Target,
     drafter: Drafter,
@@ -123,6 +157,7 @@ def speculative_tokens(
     max_tokens: int,
     num_draft: int,
     stats: SpecStats,
+    adaptive: bool = False,
 ) -> Iterator[tuple[int, bool]]:
     """Yield (token, from_draft) until max_tokens are produced; the caller handles stop tokens.
 
@@ -133,10 +168,11 @@ def speculative_tokens(
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     tokens = list(prompt)
     drafter.begin(tokens, target.prefill(tokens))
+    policy = AdaptiveDraftLength(num_draft) if adaptive else None
     produced = 0
     while produced < max_tokens:
         # Drafts past max_tokens or the context window would be wasted work.
-        budget = min(num_draft, max_tokens - produced - 1)
+        budget = min(policy.next_k() if policy else num_draft, max_tokens - produced - 1)
         if target.context_length is not None:
             budget = min(budget, target.context_length - len(tokens))
         draft = drafter.propose(tokens, budget, sampling) if budget > 0 else EMPTY_DRAFT
@@ -149,6 +185,8 @@ def speculative_tokens(
         tokens += verdict.committed
         drafter.commit(tokens, verdict)
         stats.record(len(verdict.draft_tokens), verdict.accepted, len(new))
+        if policy:
+            policy.update(len(verdict.draft_tokens), verdict.accepted)
         for i, token in enumerate(new):
             yield token, i < verdict.accepted
         produced += len(new)

@@ -74,6 +74,7 @@ def stream_generate(
     *,
     drafter: Drafter | str | None = None,
     num_draft: int | None = None,
+    adaptive: bool = True,
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -84,7 +85,8 @@ def stream_generate(
 
     With `drafter` (a Drafter, or the name of one that needs no files: "lookup") tokens are
     produced speculatively; the output is the same as without it (greedy: token for token;
-    sampled: in distribution).
+    sampled: in distribution). `num_draft` is the most drafts per step; with `adaptive` the
+    loop drafts fewer while live acceptance says the extra verify work would not pay.
     """
     from .drafters import resolve_drafter
 
@@ -112,6 +114,7 @@ def stream_generate(
         max_tokens=max_tokens,
         num_draft=num_draft,
         stats=stats,
+        adaptive=adaptive,
     )
 
     def response(token, from_draft, n, finish_reason=None):

@@ -137,3 +137,25 @@ def test_max_tokens_and_context_window_respected(target):
     prompt = list(range(1, 40)) * 6 + [1] * 10  # 244 tokens, window 256
     out, _, _, spec_target = run(target, DraftModelDrafter(target), prompt, max_tokens=12, k=8)
     assert len(out) == 12 and spec_target.offset <= 256
+
+
+def run_adaptive(model, drafter, prompt, max_tokens=60, k=6):
+    stats = SpecStats()
+    out = speculative_tokens(
+        MLXTarget(model, speculative=True), drafter, prompt, sampling=GREEDY,
+        max_tokens=max_tokens, num_draft=k, stats=stats, adaptive=True,
+    )
+    return [t for t, _ in out], stats
+
+
+def test_adaptive_draft_length_is_lossless_and_backs_off(target, small_draft):
+    prompt = [1, 2, 3, 4, 5]
+    plain, _, _, _ = run(target, Drafter(), prompt, max_tokens=60)
+    wrong = ScriptedDrafter([39])  # the sharp tiny target never predicts token 39 here
+    out, stats = run_adaptive(target, wrong, prompt)
+    assert out == plain
+    _, _, fixed_stats, _ = run(target, wrong, prompt, max_tokens=60, k=6)
+    assert stats.accepted == 0 and stats.drafted < fixed_stats.drafted / 4
+    # A perfect drafter keeps drafting the full K.
+    out, stats = run_adaptive(target, DraftModelDrafter(target), prompt)
+    assert out == plain and stats.tau > 5
