@@ -8,7 +8,7 @@ from mlxspec import _blas
 
 _blas.preload_openblas()
 
-DRAFTERS = ("none", "lookup", "draft")
+DRAFTERS = ("none", "lookup", "draft", "dflash")
 
 
 def _fail(err: Exception):
@@ -29,8 +29,11 @@ def decoding_options(f):
     options = [
         click.option("--drafter", type=click.Choice(DRAFTERS), default="none", show_default=True,
                      help="Source of draft tokens for speculative decoding."),
-        click.option("--draft-model", default=None,
-                     help="Draft model (same tokenizer) for --drafter draft."),
+        click.option("--draft-model", "--drafter-model", "draft_model", default=None,
+                     help="Draft model (same tokenizer) for --drafter draft, or a DFlash "
+                          "drafter checkpoint for --drafter dflash."),
+        click.option("--block-size", type=int, default=None,
+                     help="DFlash block size (2 .. the checkpoint's; default: the checkpoint's)."),
         click.option("--num-draft", "-k", type=int, default=None,
                      help="Drafts per step (default: the drafter's own)."),
         click.option("--adaptive/--fixed-k", default=True, show_default=True,
@@ -51,21 +54,30 @@ def decoding_options(f):
     return f
 
 
-def _check_decoding(num_draft, drafter, draft_model, max_tokens):
+def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None):
     if num_draft is not None and num_draft < 1:
         raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
     if drafter == "draft" and not draft_model:
         raise click.BadParameter("--drafter draft needs --draft-model", param_hint="--draft-model")
+    if drafter == "dflash" and not draft_model:
+        raise click.UsageError(
+            "--drafter dflash needs --drafter-model: a DFlash drafter trained for this target. "
+            "None ships for the default SmolLM2 target yet; use --drafter lookup meanwhile."
+        )
+    if block_size is not None and drafter != "dflash":
+        raise click.BadParameter("only applies to --drafter dflash", param_hint="--block-size")
     if max_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
 
 
-def _load_all(model, dtype, drafter, draft_model, verbose):
+def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None):
     import mlxspec
 
+    options = {"block_size": block_size} if block_size is not None else {}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype)
-        spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer)
+        spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer,
+                                    **options)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         _fail(err)
     if verbose:
@@ -94,8 +106,8 @@ def main():
 @model_options
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
-def generate(prompt, model, dtype, drafter, draft_model, num_draft, adaptive, max_tokens, temp,
-             top_p, top_k, min_p, seed, system, no_chat_template, verbose):
+def generate(prompt, model, dtype, drafter, draft_model, block_size, num_draft, adaptive,
+             max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, verbose):
     """Generate a reply to one prompt."""
     import mlxspec
     from mlxspec.generate import format_stats
@@ -104,8 +116,8 @@ def generate(prompt, model, dtype, drafter, draft_model, num_draft, adaptive, ma
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    _check_decoding(num_draft, drafter, draft_model, max_tokens)
-    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose)
+    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size)
+    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose, block_size)
     text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
                         no_chat_template)
     last = None
@@ -128,13 +140,13 @@ def generate(prompt, model, dtype, drafter, draft_model, num_draft, adaptive, ma
 @decoding_options
 @click.option("--color/--no-color", default=None,
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
-def chat(model, dtype, drafter, draft_model, num_draft, adaptive, max_tokens, temp, top_p, top_k,
-         min_p, seed, system, no_chat_template, color):
+def chat(model, dtype, drafter, draft_model, block_size, num_draft, adaptive, max_tokens, temp,
+         top_p, top_k, min_p, seed, system, no_chat_template, color):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
 
-    _check_decoding(num_draft, drafter, draft_model, max_tokens)
-    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose=False)
+    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size)
+    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, False, block_size)
     color = sys.stdout.isatty() if color is None else color
     history = []
     click.echo("mlxspec chat: /reset clears the history, /quit exits.")
@@ -223,6 +235,7 @@ def _csv(kind):
 @click.option("--drafters", default="none,lookup", show_default=True, callback=_csv(str),
               help=f"Comma-separated, from: {', '.join(DRAFTERS)}.")
 @click.option("--draft-model", default=None, help="Draft model for the draft drafter and mlx-lm.")
+@click.option("--dflash-model", default=None, help="DFlash drafter checkpoint for the target.")
 @click.option("--suite", "suites", default="humaneval,mtbench,copy", show_default=True,
               callback=_csv(str), help="Comma-separated prompt suites.")
 @click.option("--temp", "temps", default="0", show_default=True, callback=_csv(float),
@@ -236,7 +249,7 @@ def _csv(kind):
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
 @click.option("--markdown", default=None, type=click.Path(dir_okay=False),
               help="Also write the results table as Markdown.")
-def bench(model, dtype, drafters, draft_model, suites, temps, max_tokens, limit, num_draft,
+def bench(model, dtype, drafters, draft_model, dflash_model, suites, temps, max_tokens, limit, num_draft,
           with_mlx_lm, mlx_lm_num_draft, out, markdown):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
@@ -251,10 +264,13 @@ def bench(model, dtype, drafters, draft_model, suites, temps, max_tokens, limit,
                                  param_hint="--suite")
     if "draft" in drafters and not draft_model:
         raise click.BadParameter("the draft drafter needs --draft-model", param_hint="--draft-model")
+    if "dflash" in drafters and not dflash_model:
+        raise click.BadParameter("the dflash drafter needs --dflash-model", param_hint="--dflash-model")
+    paths = {"draft": draft_model, "dflash": dflash_model}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype)
-        built = {d: mlxspec.load_drafter(d, draft_model if d == "draft" else None,
-                                         model=target, tokenizer=tokenizer) for d in drafters}
+        built = {d: mlxspec.load_drafter(d, paths.get(d), model=target, tokenizer=tokenizer)
+                 for d in drafters}
         lm_draft = built["draft"].model if "draft" in built else (
             mlxspec.load(draft_model, dtype=dtype)[0] if draft_model else None)
     except (ValueError, FileNotFoundError) as err:

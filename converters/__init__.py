@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .atomic import atomic_output_dir, check_output_dir
+from .dflash import convert_dflash, is_dflash_checkpoint
 from .gguf import convert_gguf
-from .hf import convert_hf, looks_like_repo_id
+from .hf import convert_hf, looks_like_repo_id, resolve_hf_source
 
 __all__ = [
     "atomic_output_dir",
     "convert",
+    "convert_dflash",
     "convert_gguf",
     "convert_hf",
     "resolve_source_kind",
@@ -66,6 +68,10 @@ def convert(
     ``progress``) or :func:`convert_hf` (``revision``).
     """
     if resolve_source_kind(source) != "gguf":
+        if is_dflash_checkpoint(resolve_hf_source(source, options.get("revision"))):
+            if quantize:
+                raise ValueError("DFlash drafters are converted without quantization")
+            return convert_dflash(source, out_dir, dtype=dtype, overwrite=overwrite)
         return convert_hf(
             source, out_dir, dtype=dtype, quantize=quantize, q_bits=q_bits,
             q_group_size=q_group_size, overwrite=overwrite, **options,

@@ -56,3 +56,18 @@ def chat_prompt(tokenizer, text: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )
+
+
+@pytest.fixture(scope="session")
+def smollm_random_dflash(tmp_path_factory):
+    """An untrained DFlash drafter in the released format, shaped for SmolLM2 (576 hidden, 30
+    target layers, 49152 vocab): enough to prove losslessness, not to accept drafts."""
+    from test_dflash import drafter_config, random_weights, save_drafter
+
+    config = drafter_config(
+        vocab=49152, hidden=576, target_layers=30, num_hidden_layers=1, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, intermediate_size=1536, block_size=16,
+        layer_types=["full_attention"], max_position_embeddings=8192,
+        mask_token_id=0, target_layer_ids=[1, 8, 14, 20, 27],
+    )
+    return save_drafter(tmp_path_factory.mktemp("smollm_dflash"), config, random_weights(config))

@@ -4,14 +4,15 @@ from ..engine import Drafter
 from .draft_model import DraftModelDrafter, check_same_tokenizer
 from .lookup import PromptLookupDrafter
 
-DRAFTER_KINDS = ("none", "lookup", "draft")
+DRAFTER_KINDS = ("none", "lookup", "draft", "dflash")
 
 
 def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **options) -> Drafter:
     """Build a drafter for `model`, checking it against the target before any compute.
 
-    kind: "none", "lookup" (options: max_ngram, min_ngram) or "draft" (path: a draft model with
-    the target's tokenizer, as a converted directory, a .gguf file or a Hugging Face repo id).
+    kind: "none", "lookup" (options: max_ngram, min_ngram), "draft" (path: a draft model with
+    the target's tokenizer, as a converted directory, a .gguf file or a Hugging Face repo id) or
+    "dflash" (path: a DFlash drafter checkpoint for this target; option: block_size).
     """
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
@@ -19,6 +20,15 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
         return Drafter()
     if kind == "lookup":
         return PromptLookupDrafter(**options)
+    if kind == "dflash":
+        if path is None:
+            raise ValueError(
+                "the dflash drafter needs a drafter checkpoint trained for this target "
+                "(--draft-model); none ships for the default SmolLM2 target yet"
+            )
+        from .dflash import load_dflash_drafter
+
+        return load_dflash_drafter(path, model=model, tokenizer=tokenizer, **options)
     if path is None:
         raise ValueError("the draft drafter needs a draft model path (--draft-model)")
     from ..loading import load

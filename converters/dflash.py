@@ -1,0 +1,66 @@
+"""Convert a released DFlash drafter (z-lab format) into a checked, MLX-loadable directory.
+
+The layout stays z-lab's (config.json + safetensors with their names), so the result is still a
+valid DFlash checkpoint; what conversion adds is the validation (config, every weight name and
+shape), one safetensors file, an optional dtype cast (float32 is the fast path on a CPU) and an
+atomic write. Repo ids resolve through the Hugging Face cache, so HF_HUB_OFFLINE applies.
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..models.dflash import ARCHITECTURE, DFlashConfig, check_weights, read_config, read_weights
+from .atomic import atomic_output_dir, check_output_dir
+from .hf import resolve_hf_source
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def is_dflash_checkpoint(path: str | Path) -> bool:
+    """True for a directory whose config.json names DFlashDraftModel or has a dflash_config."""
+    config_path = Path(path).expanduser() / "config.json"
+    if not config_path.is_file():
+        return False
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return ARCHITECTURE in (config.get("architectures") or []) or "dflash_config" in config
+
+
+def convert_dflash(
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Validate `source` (directory or Hub repo id) and write it to `out_dir`.
+
+    dtype: "float32", "float16" or "bfloat16"; None keeps the checkpoint's dtypes.
+    Raises before writing anything if the checkpoint is not a consistent DFlash drafter.
+    """
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    check_output_dir(out_dir, overwrite)
+    path = resolve_hf_source(source)
+    if not is_dflash_checkpoint(path):
+        raise ValueError(
+            f"{source} is not a DFlash drafter: its config.json has neither "
+            f"architectures [{ARCHITECTURE!r}] nor a dflash_config"
+        )
+    config = read_config(path)
+    weights = read_weights(path)
+    check_weights(DFlashConfig.from_dict(config), weights)
+    if dtype is not None:
+        weights = {
+            k: v.astype(_DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
+        config["torch_dtype"] = dtype
+    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out_dir).expanduser()

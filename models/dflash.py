@@ -1,0 +1,348 @@
+"""DFlash: a block-diffusion drafter conditioned on target hidden states (z-lab, 2026).
+
+N Qwen3-style layers fill a whole block [last token, MASK, ...] in one pass. The target's
+features (outputs of `target_layer_ids`) are fused by `fc` + `hidden_norm` into one context
+vector per committed position; every layer projects that context with its own k/v weights, so
+context exists only as K/V. Block queries see the context and the block; "sliding_attention"
+layers are causal inside the block and windowed over the context.
+
+The context K/V of committed positions are computed once and kept in a per-layer cache (rotated
+at their true positions); block K/V are transient. Embedding and LM head are the target's unless
+the checkpoint ships its own. Weight names are z-lab's safetensors names (no `model.` prefix).
+"""
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Keys z-lab reads from `dflash_config` first, then from the top level of config.json.
+_DRAFT_KEYS = (
+    "target_layer_ids",
+    "block_size",
+    "mask_token_id",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default: evenly spaced between layer 1 and layer T-3 (Python round)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    # Defaults are transformers' Qwen3Config ones, which z-lab's reference inherits.
+    num_key_value_heads: int | None = None
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    is_causal: bool | None = None
+    tie_word_embeddings: bool = False
+    architectures: list = field(default_factory=list)
+    num_target_layers: int | None = None
+    target_layer_ids: list | None = None
+    block_size: int = 16
+    mask_token_id: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "DFlashConfig":
+        """Read a released config.json: `dflash_config` entries win, unknown keys are ignored."""
+        params = dict(params)
+        draft = params.get("dflash_config") or {}
+        params.update({k: draft[k] for k in _DRAFT_KEYS if k in draft})
+        names = inspect.signature(cls).parameters
+        required = [n for n, p in names.items() if p.default is inspect.Parameter.empty]
+        missing = [n for n in required if n not in params]
+        if missing:
+            raise ValueError(f"DFlash config.json lacks {', '.join(missing)}")
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+    def __post_init__(self):
+        if "DFlash2DraftModel" in (self.architectures or []):
+            raise ValueError(
+                "DFlash2DraftModel checkpoints (convolutions + candidate selector) are not "
+                "supported; only DFlashDraftModel is"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"DFlash drafter hidden_act {self.hidden_act!r} is not supported")
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        # As transformers' Qwen3Config, which z-lab's reference builds on: the window applies
+        # only with use_sliding_window, and absent layer_types derive from max_window_layers.
+        if not self.use_sliding_window:
+            self.sliding_window = None
+        if self.layer_types is None:
+            self.layer_types = [
+                "sliding_attention"
+                if self.sliding_window is not None and i >= self.max_window_layers
+                else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unsupported DFlash layer types {unknown}")
+        if self.target_layer_ids is None:
+            if self.num_target_layers is None:
+                raise ValueError("config needs dflash_config.target_layer_ids or num_target_layers")
+            self.target_layer_ids = build_target_layer_ids(
+                self.num_target_layers, self.num_hidden_layers
+            )
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.mask_token_id is None:
+            raise ValueError("config has no dflash_config.mask_token_id")
+        self.mask_token_id = int(self.mask_token_id)
+        self.block_size = int(self.block_size)
+        if self.block_size < 2:
+            raise ValueError(f"config block_size must be >= 2, got {self.block_size}")
+
+    @property
+    def rope(self) -> dict:
+        """One rope dict: rope_scaling or rope_parameters; its rope_theta wins (transformers 5)."""
+        rope = dict(self.rope_scaling or self.rope_parameters or {})
+        if rope and set(rope) <= set(self.layer_types):
+            raise ValueError("per-layer-type rope parameters are not supported")
+        rope.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else 10000.0)
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        return rope
+
+
+class Attention(nn.Module):
+    """Queries from the block; keys/values from [context ; block] with the same weights."""
+
+    def __init__(self, args: DFlashConfig, layer_type: str):
+        super().__init__()
+        dim, bias = args.hidden_size, args.attention_bias
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        sliding = layer_type == "sliding_attention"
+        self.is_causal = sliding if args.is_causal is None else bool(args.is_causal)
+        self.window = args.sliding_window if sliding else None
+
+    def keys_values(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+        """(B, L, H) -> rotated keys and values, each (B, kv_heads, L, head_dim)."""
+        B, L, _ = x.shape
+        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        keys = rope(keys.transpose(0, 2, 1, 3), offset=offset)
+        return keys, values.transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, rope, start: int, context: tuple | None) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        queries = rope(queries.transpose(0, 2, 1, 3), offset=start)  # (B, heads, L, head_dim)
+        keys, values = self.keys_values(x, rope, start)
+        num_ctx = 0
+        if context is not None:
+            ctx_keys, ctx_values = context
+            if self.window is not None:  # the first block slot sees only the last window-1
+                ctx_keys = ctx_keys[..., -(self.window - 1) :, :]
+                ctx_values = ctx_values[..., -(self.window - 1) :, :]
+            num_ctx = ctx_keys.shape[2]
+            keys = mx.concatenate([ctx_keys, keys], axis=2)
+            values = mx.concatenate([ctx_values, values], axis=2)
+        mask = block_mask(start, num_ctx, L, causal=self.is_causal, window=self.window)
+        out = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=self.scale, mask=mask
+        )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def block_mask(start: int, num_ctx: int, length: int, *, causal: bool, window: int | None):
+    """(length, num_ctx + length) bool visibility by absolute position, or None (see all).
+
+    Context keys sit at positions start-num_ctx .. start-1, block slot i at start+i.
+    """
+    if not causal and window is None:
+        return None
+    query = start + mx.arange(length)[:, None]
+    key = start - num_ctx + mx.arange(num_ctx + length)[None]
+    visible = mx.ones((length, num_ctx + length), dtype=mx.bool_)
+    if causal:
+        visible = visible & (key <= query)
+    if window is not None:
+        visible = visible & (query - key < window)
+        if not causal:
+            visible = visible & (key - query < window)
+    return visible
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DFlashConfig, layer_type: str):
+        super().__init__()
+        self.self_attn = Attention(args, layer_type)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, rope, start, context):
+        h = x + self.self_attn(self.input_layernorm(x), rope, start, context)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashModel(nn.Module):
+    """The drafter. `own_embed`/`own_head`: the checkpoint carries embed_tokens/lm_head."""
+
+    def __init__(self, args: DFlashConfig, *, own_embed: bool = False, own_head: bool = False):
+        super().__init__()
+        self.args = args
+        H = args.hidden_size
+        self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(args.vocab_size, H)
+        if own_head:
+            self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
+        rope = args.rope
+        self.rope = initialize_rope(
+            args.head_dim,
+            rope["rope_theta"],
+            traditional=False,
+            scaling_config=rope,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.fc.weight.dtype
+
+    def make_cache(self) -> list[KVCache]:
+        """One context K/V cache per layer; trimmable, so a caller can roll positions back."""
+        return [KVCache() for _ in self.layers]
+
+    def append_context(self, features: mx.array, cache: list[KVCache]) -> None:
+        """Append target features (S, n_ids * H) of the next S committed positions."""
+        ctx = self.hidden_norm(self.fc(features.astype(self.dtype)[None]))  # (1, S, H)
+        offset = cache[0].offset
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, offset))
+
+    def __call__(self, embeddings: mx.array, cache: list[KVCache]) -> mx.array:
+        """Block embeddings (B, L, H) at positions offset..offset+L-1 -> normed hidden (B, L, H)."""
+        start = cache[0].offset
+        h = embeddings.astype(self.dtype)
+        for layer, c in zip(self.layers, cache):
+            context = c.keys_and_values() if c.offset else None
+            h = layer(h, self.rope, start, context)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: mx.array, head) -> mx.array:
+        """z-lab's head: the LM head, times output_multiplier, then optional tanh softcap."""
+        logits = head(hidden)
+        if self.args.output_multiplier != 1.0:
+            logits = logits * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+
+# ---- Checkpoint files -------------------------------------------------------------------------
+
+
+def read_config(path: Path) -> dict:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; it is not a DFlash checkpoint")
+    return json.loads(config_path.read_text())
+
+
+def read_weights(path: Path) -> dict[str, mx.array]:
+    """All tensors of the directory's *.safetensors files (pickle checkpoints never load)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    weights = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def check_weights(args: DFlashConfig, weights: dict[str, mx.array]) -> DFlashModel:
+    """Build the model the weights describe; name any missing, wrong-shaped or unexpected one."""
+    H = args.hidden_size
+    model = DFlashModel(
+        args,
+        own_embed="embed_tokens.weight" in weights,
+        own_head="lm_head.weight" in weights,
+    )
+    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = [
+        f"{n} has shape {tuple(weights[n].shape)}, config.json implies {expected[n]}"
+        for n in sorted(set(expected) & set(weights))
+        if tuple(weights[n].shape) != expected[n]
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {', '.join(missing)}")
+    if wrong:
+        problems.append("wrong-shaped weights: " + "; ".join(wrong))
+    if unexpected:
+        problems.append(f"unexpected weights: {', '.join(unexpected)}")
+    if problems:
+        raise ValueError(
+            f"DFlash checkpoint does not match its config.json (hidden {H}, "
+            f"{args.num_hidden_layers} layers): " + ". ".join(problems)
+        )
+    return model
+
+
+def load_model(path: Path) -> tuple[DFlashModel, dict[str, Any]]:
+    """Read, check and load a checkpoint directory; returns (model, raw config dict)."""
+    raw = read_config(path)
+    args = DFlashConfig.from_dict(raw)
+    weights = read_weights(path)
+    model = check_weights(args, weights)
+    model.load_weights(list(weights.items()))
+    model.eval()
+    return model, raw
