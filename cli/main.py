@@ -249,12 +249,20 @@ def _csv(kind):
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
 @click.option("--markdown", default=None, type=click.Path(dir_okay=False),
               help="Also write the results table as Markdown.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
 def bench(model, dtype, drafters, draft_model, dflash_model, suites, temps, max_tokens, limit, num_draft,
-          with_mlx_lm, mlx_lm_num_draft, out, markdown):
+          with_mlx_lm, mlx_lm_num_draft, out, markdown, plot):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, markdown_table, run_benchmark, save_report
 
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.BadParameter("needs matplotlib: pip install 'mlxspec[bench]'",
+                                     param_hint="--plot") from None
     bad = [d for d in drafters if d not in DRAFTERS]
     if bad:
         raise click.BadParameter(f"unknown drafter(s) {bad}", param_hint="--drafters")
@@ -291,6 +299,10 @@ def bench(model, dtype, drafters, draft_model, dflash_model, suites, temps, max_
     if markdown:
         with open(markdown, "w") as f:
             f.write(table + "\n")
+    if plot:
+        from mlxspec.bench import plot_report
+
+        plot_report(report, plot)
 
 
 if __name__ == "__main__":

@@ -210,3 +210,41 @@ def _pct(v):
 def save_report(report: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
+
+
+def plot_report(report: dict, path: str) -> None:
+    """Speedup over plain (bars) and tau (labels) per suite and configuration, one panel per T."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in report["results"] if not (r["engine"] == "mlxspec" and r["drafter"] == "none")]
+    temps = sorted({r["temp"] for r in results})
+    suites = list(dict.fromkeys(r["suite"] for r in results))
+    configs = list(dict.fromkeys((r["engine"], r["drafter"]) for r in results))
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+    width = 0.8 / max(len(configs), 1)
+    for ax, temp in zip(axes[0], temps):
+        for j, config in enumerate(configs):
+            xs, ys, taus = [], [], []
+            for i, suite in enumerate(suites):
+                for r in results:
+                    if (r["engine"], r["drafter"]) == config and r["suite"] == suite and r["temp"] == temp:
+                        xs.append(i + j * width)
+                        ys.append(r["speedup_vs_mlx_lm_plain"] or r["speedup"] or 0)
+                        taus.append(r["tau"])
+            bars = ax.bar(xs, ys, width, label=f"{config[0]} {config[1]}")
+            for bar, tau in zip(bars, taus):
+                if tau:
+                    ax.annotate(f"τ{tau:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(suites))], suites)
+        ax.set_title(f"T = {temp:g}")
+        ax.set_ylabel("tok/s relative to mlx-lm plain")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{report['settings'].get('model', '')} — {report['machine']['blas']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

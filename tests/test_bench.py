@@ -1,0 +1,40 @@
+"""`mlxspec bench` end to end on the real model, tiny settings: structure, not speed."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlxspec.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_writes_results_table_and_plot(smollm_dir, tmp_path):
+    out, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(smollm_dir), "--drafters", "none,lookup", "--suite", "copy",
+        "--temp", "0,1", "--limit", "1", "--max-tokens", "8", "--out", str(out),
+        "--markdown", str(md), "--plot", str(png),
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert "OpenBLAS" in report["machine"]["blas"] or "reference" in report["machine"]["blas"]
+    rows = {(r["engine"], r["drafter"], r["temp"]): r for r in report["results"]}
+    assert set(rows) == {(e, d, t) for e, d in [("mlxspec", "none"), ("mlxspec", "lookup"),
+                                                 ("mlx-lm", "none")] for t in (0.0, 1.0)}
+    for (engine, drafter, _), r in rows.items():
+        assert r["tokens"] > 0 and r["tps"] > 0
+        if drafter == "none":
+            assert r["speedup"] == pytest.approx(1.0)
+    assert rows["mlxspec", "lookup", 0.0]["drafted"] > 0  # the copy suite gives lookup matches
+    assert "| copy | 0 | mlxspec | lookup |" in md.read_text()
+    assert png.stat().st_size > 1000
+
+
+def test_bench_rejects_unknown_suite_and_missing_draft_model():
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "--suite", "nope"])
+    assert result.exit_code != 0 and "unknown suite" in result.output
+    result = runner.invoke(main, ["bench", "--drafters", "none,draft"])
+    assert result.exit_code != 0 and "--draft-model" in result.output
