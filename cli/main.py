@@ -148,7 +148,7 @@ def chat(model, dtype, drafter, draft_model, block_size, num_draft, adaptive, ma
     _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size)
     target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, False, block_size)
     color = sys.stdout.isatty() if color is None else color
-    history = []
+    history, prompt_cache = [], mlxspec.PromptCache()  # turns prefill only what is new
     click.echo("mlxspec chat: /reset clears the history, /quit exits.")
     while True:
         try:
@@ -174,6 +174,7 @@ def chat(model, dtype, drafter, draft_model, block_size, num_draft, adaptive, ma
             for last in mlxspec.stream_generate(
                 target, tokenizer, prompt, max_tokens, drafter=spec, num_draft=num_draft,
                 adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                prompt_cache=prompt_cache,
             ):
                 reply += last.text
                 shown = click.style(last.text, fg="cyan") if color and last.from_draft else last.text

@@ -13,6 +13,7 @@ from .drafters import load_drafter  # noqa: E402
 from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
 from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
 from .loading import load  # noqa: E402
+from .mlx_backend import PromptCache  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "Draft",
     "Drafter",
     "GenerationResponse",
+    "PromptCache",
     "SamplingConfig",
     "SpecStats",
     "Verdict",

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .engine import Drafter, SpecStats, speculative_tokens
-from .mlx_backend import MLXTarget, context_length
+from .mlx_backend import MLXTarget, PromptCache, context_length
 from .sampling import SamplingConfig
 
 
@@ -80,6 +80,7 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream the continuation of `prompt` (a string or token ids, used as given).
 
@@ -87,6 +88,8 @@ def stream_generate(
     produced speculatively; the output is the same as without it (greedy: token for token;
     sampled: in distribution). `num_draft` is the most drafts per step; with `adaptive` the
     loop drafts fewer while live acceptance says the extra verify work would not pay.
+    A `PromptCache` carries the target's KV cache across calls (chat turns), so only the part of
+    the prompt not already in it is prefilled (not with drafters that read target features).
     """
     from .drafters import resolve_drafter
 
@@ -96,8 +99,12 @@ def stream_generate(
     num_draft = num_draft if num_draft is not None else drafter.default_num_draft
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_request(model, prompt_tokens, max_tokens)
+    reuse = prompt_cache is not None and not drafter.capture_layers
     target = MLXTarget(
-        model, capture_layers=drafter.capture_layers, speculative=drafter.name != "none"
+        model,
+        capture_layers=drafter.capture_layers,
+        speculative=drafter.name != "none",
+        cache=prompt_cache.take(model, prompt_tokens) if reuse else None,
     )
     if seed is not None:
         mx.random.seed(seed)
@@ -144,21 +151,27 @@ def stream_generate(
     start = time.perf_counter()
     prompt_tps, gen_start = 0.0, start
     n, token, from_draft, finish_reason = 0, None, False, "length"
-    for token, from_draft in tokens:
-        if n == 0:
-            # Time to the first token is prefill plus one verify pass, as in mlx-lm.
-            gen_start = time.perf_counter()
-            prompt_tps = len(prompt_tokens) / (gen_start - start)
-        if token in eos:
-            finish_reason = "stop"
-            break
-        n += 1
-        detokenizer.add_token(token)
-        if n == max_tokens:
-            break
-        yield response(token, from_draft, n)
-    detokenizer.finalize()
-    yield response(token, from_draft, n, finish_reason)
+    output = []
+    try:
+        for token, from_draft in tokens:
+            output.append(token)
+            if n == 0:
+                # Time to the first token is prefill plus one verify pass, as in mlx-lm.
+                gen_start = time.perf_counter()
+                prompt_tps = len(prompt_tokens) / (gen_start - start)
+            if token in eos:
+                finish_reason = "stop"
+                break
+            n += 1
+            detokenizer.add_token(token)
+            if n == max_tokens:
+                break
+            yield response(token, from_draft, n)
+        detokenizer.finalize()
+        yield response(token, from_draft, n, finish_reason)
+    finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
+        if reuse:
+            prompt_cache.remember(prompt_tokens + output)
 
 
 def generate(model, tokenizer, prompt, max_tokens: int = 256, *, verbose: bool = False, **kwargs):

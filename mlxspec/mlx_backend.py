@@ -57,8 +57,11 @@ class MLXTarget:
         return logits[0], features
 
     def prefill(self, tokens: Sequence[int]):
-        """Process all tokens but the last; return their captured features (L-1, H*n) or None."""
-        body = mx.array(list(tokens[:-1]), dtype=mx.int32)
+        """Process all tokens but the last that the cache does not hold yet (a reused cache holds
+        a prefix); return the captured features of the processed ones (n, H*layers) or None."""
+        if self.capture_layers and self.offset:
+            raise ValueError("a drafter that reads target features needs a fresh target cache")
+        body = mx.array(list(tokens[self.offset : -1]), dtype=mx.int32)
         features = []
         for start in range(0, body.shape[0], self.prefill_step_size):
             _, chunk_features = self._forward(body[start : start + self.prefill_step_size])
@@ -111,3 +114,39 @@ class MLXTarget:
     @property
     def offset(self) -> int:
         return self.cache[0].offset if self.cache else 0
+
+
+class PromptCache:
+    """A target KV cache kept across calls, e.g. chat turns: each new prompt reuses the longest
+    prefix it shares with what the cache holds, so a turn prefills only the new tokens."""
+
+    def __init__(self):
+        self.cache: list | None = None
+        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def take(self, model, prompt: Sequence[int]) -> list:
+        """The cache trimmed to the longest common prefix with `prompt` (never all of it: the
+        last prompt token is the loop's pending token)."""
+        if self.cache is None or not all(c.is_trimmable() for c in self.cache):
+            self.cache, self.tokens = make_prompt_cache(model), []
+        keep = 0
+        for a, b in zip(self.tokens, prompt[:-1]):
+            if a != b:
+                break
+            keep += 1
+        self._trim_to(keep)
+        return self.cache
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
+        anything the cache holds past them (drafts after a stop token) is trimmed."""
+        held = self.cache[0].offset if self.cache else 0
+        self.tokens = list(tokens[:held])
+        self._trim_to(len(self.tokens))
+
+    def _trim_to(self, keep: int) -> None:
+        held = self.cache[0].offset if self.cache else 0
+        if held > keep:
+            for c in self.cache:
+                c.trim(held - keep)
+        self.tokens = self.tokens[:keep]

@@ -56,3 +56,38 @@ def test_adaptive_lookup_equals_plain(smollm, real_prompts, plain_outputs):
     model, tokenizer = smollm
     for prompt, plain in zip(real_prompts[:5], plain_outputs[:5]):
         assert run(model, tokenizer, prompt, "lookup", adaptive=True)[0] == plain
+
+
+def test_prompt_cache_across_chat_turns_is_lossless(smollm):
+    """A chat keeps its KV cache between turns; every turn equals generation from scratch."""
+    model, tokenizer = smollm
+    cache, history = mlxspec.PromptCache(), []
+    for question in ["Name three colours.", "Which of them is the warmest?", "Why?"]:
+        history.append({"role": "user", "content": question})
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        held_before = len(cache.tokens)
+        reused = list(mlxspec.stream_generate(model, tokenizer, prompt, 24, drafter="lookup",
+                                              prompt_cache=cache))
+        fresh = list(mlxspec.stream_generate(model, tokenizer, prompt, 24))
+        assert [r.token for r in reused] == [r.token for r in fresh]
+        if len(history) > 1:
+            assert held_before > 20  # the earlier turns were not prefilled again
+        history.append({"role": "assistant", "content": "".join(r.text for r in fresh)})
+        assert cache.cache[0].offset == len(cache.tokens)
+
+
+def test_prompt_cache_after_a_stopped_reply(smollm):
+    """A reply cut short (Ctrl-C in chat closes the generator) leaves a consistent cache."""
+    model, tokenizer = smollm
+    cache = mlxspec.PromptCache()
+    history = [{"role": "user", "content": "Count from one to twenty in words."}]
+    prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    stream = mlxspec.stream_generate(model, tokenizer, prompt, 64, drafter="lookup",
+                                     prompt_cache=cache)
+    partial = "".join(next(stream).text for _ in range(6))
+    stream.close()
+    history += [{"role": "assistant", "content": partial}, {"role": "user", "content": "Go on."}]
+    prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    reused = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 16,
+                                                       prompt_cache=cache)]
+    assert reused == [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 16)]
