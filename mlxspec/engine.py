@@ -9,6 +9,7 @@ Only control flow lives here. Tensor math (forward passes, acceptance, cache tri
 backend's `Target`; drafters see host token lists and backend arrays.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence
 
@@ -115,37 +116,70 @@ class SpecStats:
 
 
 class AdaptiveDraftLength:
-    """Choose K each step from live acceptance, so useless drafts stop costing verify work.
+    """Choose K each step to maximise expected tokens per second, from live measurements.
 
-    Keeps a running estimate of P(draft i accepted | draft i-1 accepted) per position; drafting
-    position i pays off while the chance it is accepted (the product up to i) exceeds the extra
-    cost of one more verified token relative to a decode pass (`token_cost`). When even the first
-    draft does not pay, one draft is still tried every `probe_every` steps to notice a change.
+    Two running estimates: P(draft i accepted | draft i-1 accepted) per position, and the wall
+    time of a step as a function of K (a line through per-K averages; on a CPU verifying 9 tokens
+    costs far more than 1, on a GPU nearly the same). K = argmax (1 + sum of reach probabilities)
+    / time(K), so useless drafts stop costing verify work on any machine. When K = 0 wins, one
+    draft is still tried every `probe_every` steps to notice when drafts become good again.
     """
 
-    def __init__(self, max_k: int, token_cost: float = 0.15, decay: float = 0.8, probe_every: int = 8):
-        self.max_k, self.token_cost, self.decay, self.probe_every = max_k, token_cost, decay, probe_every
-        self.conditional = [1.0] * max_k  # optimistic start: try full drafts first
+    def __init__(self, max_k: int, decay: float = 0.7, probe_every: int = 8,
+                 prior_token_cost: float = 0.1, min_token_cost: float = 0.03):
+        self.max_k, self.decay, self.probe_every = max_k, decay, probe_every
+        self.prior_token_cost = prior_token_cost  # extra verify time per draft, x a plain step
+        self.min_token_cost = min_token_cost  # verifying is never free, whatever timing noise says
+        # A middling prior: a few drafts at first, more as soon as they are accepted.
+        self.conditional = [0.6] * max_k
+        self.step_time: dict[int, float] = {}  # K -> running mean of step seconds
         self.idle_steps = 0
 
+    def _time_model(self) -> tuple[float, float, float]:
+        """(plain step time, drafting step intercept, seconds per draft token)."""
+        drafted = sorted((k, t) for k, t in self.step_time.items() if k > 0)
+        plain = self.step_time.get(0)
+        if len(drafted) >= 2:
+            n = len(drafted)
+            mean_k = sum(k for k, _ in drafted) / n
+            mean_t = sum(t for _, t in drafted) / n
+            var = sum((k - mean_k) ** 2 for k, _ in drafted)
+            slope = max(sum((k - mean_k) * (t - mean_t) for k, t in drafted) / var, 0.0)
+            intercept = mean_t - slope * mean_k
+        elif drafted:
+            (k1, t1), = drafted
+            slope = self.prior_token_cost * (plain or t1)
+            intercept = t1 - slope * k1
+        else:
+            plain = plain or 1.0
+            slope, intercept = self.prior_token_cost * plain, plain
+        plain = plain if plain is not None else intercept
+        return plain, max(intercept, 1e-6), max(slope, self.min_token_cost * plain)
+
     def next_k(self) -> int:
-        k, reach = 0, 1.0
-        for rate in self.conditional:
+        plain, intercept, slope = self._time_model()
+        best_k, best_rate = 0, 1.0 / plain
+        expected, reach = 1.0, 1.0
+        for k, rate in enumerate(self.conditional, start=1):
             reach *= rate
-            if reach < self.token_cost:
-                break
-            k += 1
-        if k == 0:
+            expected += reach
+            speed = expected / (intercept + slope * k)
+            if speed > best_rate:
+                best_k, best_rate = k, speed
+        if best_k == 0:
             self.idle_steps += 1
             if self.idle_steps >= self.probe_every:
-                self.idle_steps, k = 0, 1
-        return k
+                self.idle_steps, best_k = 0, 1
+        return best_k
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         # Position i was "reached" if all before it were accepted; it counts only then.
         for i in range(min(drafted, accepted + 1)):
             hit = 1.0 if i < accepted else 0.0
             self.conditional[i] = self.decay * self.conditional[i] + (1 - self.decay) * hit
+        if seconds is not None:
+            old = self.step_time.get(drafted)
+            self.step_time[drafted] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
 
 def speculative_tokens(
@@ -157,7 +191,7 @@ def speculative_tokens(
     max_tokens: int,
     num_draft: int,
     stats: SpecStats,
-    adaptive: bool = False,
+    adaptive: "bool | AdaptiveDraftLength" = False,
 ) -> Iterator[tuple[int, bool]]:
     """Yield (token, from_draft) until max_tokens are produced; the caller handles stop tokens.
 
@@ -168,9 +202,13 @@ def speculative_tokens(
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     tokens = list(prompt)
     drafter.begin(tokens, target.prefill(tokens))
-    policy = AdaptiveDraftLength(num_draft) if adaptive else None
+    if isinstance(adaptive, AdaptiveDraftLength):
+        policy = adaptive
+    else:
+        policy = AdaptiveDraftLength(num_draft) if adaptive else None
     produced = 0
     while produced < max_tokens:
+        step_start = time.perf_counter()
         # Drafts past max_tokens or the context window would be wasted work.
         budget = min(policy.next_k() if policy else num_draft, max_tokens - produced - 1)
         if target.context_length is not None:
@@ -186,7 +224,8 @@ def speculative_tokens(
         drafter.commit(tokens, verdict)
         stats.record(len(verdict.draft_tokens), verdict.accepted, len(new))
         if policy:
-            policy.update(len(verdict.draft_tokens), verdict.accepted)
+            seconds = time.perf_counter() - step_start
+            policy.update(len(verdict.draft_tokens), verdict.accepted, seconds)
         for i, token in enumerate(new):
             yield token, i < verdict.accepted
         produced += len(new)

@@ -6,7 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_llama
 
 from mlxspec.drafters import DraftModelDrafter, PromptLookupDrafter, load_drafter
-from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
+from mlxspec.engine import AdaptiveDraftLength, Draft, Drafter, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
@@ -139,11 +139,19 @@ def test_max_tokens_and_context_window_respected(target):
     assert len(out) == 12 and spec_target.offset <= 256
 
 
+class CpuLikeCosts(AdaptiveDraftLength):
+    """Step time as on a CPU (each verified draft costs 20% of a step), not the wall clock, so
+    the test is deterministic."""
+
+    def update(self, drafted, accepted, seconds=None):
+        super().update(drafted, accepted, 1.0 + 0.2 * drafted)
+
+
 def run_adaptive(model, drafter, prompt, max_tokens=60, k=6):
     stats = SpecStats()
     out = speculative_tokens(
         MLXTarget(model, speculative=True), drafter, prompt, sampling=GREEDY,
-        max_tokens=max_tokens, num_draft=k, stats=stats, adaptive=True,
+        max_tokens=max_tokens, num_draft=k, stats=stats, adaptive=CpuLikeCosts(k),
     )
     return [t for t, _ in out], stats
 
@@ -151,7 +159,13 @@ def run_adaptive(model, drafter, prompt, max_tokens=60, k=6):
 def test_adaptive_draft_length_is_lossless_and_backs_off(target, small_draft):
     prompt = [1, 2, 3, 4, 5]
     plain, _, _, _ = run(target, Drafter(), prompt, max_tokens=60)
-    wrong = ScriptedDrafter([39])  # the sharp tiny target never predicts token 39 here
+    full = prompt + plain
+
+    class AlwaysWrong(Drafter):  # proposes a token the target will not produce there
+        def propose(self, tokens, k, sampling):
+            return Draft(tokens=[(full[len(tokens)] + 1) % 40] * k)
+
+    wrong = AlwaysWrong()
     out, stats = run_adaptive(target, wrong, prompt)
     assert out == plain
     _, _, fixed_stats, _ = run(target, wrong, prompt, max_tokens=60, k=6)
@@ -159,3 +173,17 @@ def test_adaptive_draft_length_is_lossless_and_backs_off(target, small_draft):
     # A perfect drafter keeps drafting the full K.
     out, stats = run_adaptive(target, DraftModelDrafter(target), prompt)
     assert out == plain and stats.tau > 5
+
+
+def test_adaptive_choice_follows_measured_costs():
+    policy = AdaptiveDraftLength(8)
+    for _ in range(20):  # every draft accepted, verifying is cheap: draft the most
+        policy.update(8, 8, 1.0 + 0.01 * 8)
+        policy.update(0, 0, 1.0)
+    assert policy.next_k() == 8
+    policy = AdaptiveDraftLength(8)
+    for _ in range(20):  # half the first drafts accepted, each verified draft costs 60%
+        policy.update(2, 1, 1.0 + 0.6 * 2)
+        policy.update(1, 0, 1.0 + 0.6)
+        policy.update(0, 0, 1.0)
+    assert policy.next_k() == 0
