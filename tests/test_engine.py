@@ -172,7 +172,7 @@ def test_adaptive_draft_length_is_lossless_and_backs_off(target, small_draft):
     assert stats.accepted == 0 and stats.drafted < fixed_stats.drafted / 4
     # A perfect drafter keeps drafting the full K.
     out, stats = run_adaptive(target, DraftModelDrafter(target), prompt)
-    assert out == plain and stats.tau > 5
+    assert out == plain and stats.tau > 4
 
 
 def test_adaptive_choice_follows_measured_costs():
