@@ -16,6 +16,12 @@ def _fail(err: Exception):
 
 
 def model_options(f):
+    f = click.option("--device", default=None,
+                     help="torch device for --backend torch (default: cuda when available, "
+                          "else cpu; bfloat16 on CUDA, float32 on the CPU).")(f)
+    f = click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx",
+                     show_default=True,
+                     help="Run on MLX, or on torch (transformers models, for NVIDIA machines).")(f)
     f = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
                      default="float32", show_default=True,
                      help="Weights dtype when converting a .gguf or HF model on first use.")(f)
@@ -64,25 +70,41 @@ def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None
             "--drafter dflash needs --drafter-model: a DFlash drafter trained for this target. "
             "None ships for the default SmolLM2 target yet; use --drafter lookup meanwhile."
         )
+    if draft_model and drafter not in ("draft", "dflash"):
+        raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
     if block_size is not None and drafter != "dflash":
         raise click.BadParameter("only applies to --drafter dflash", param_hint="--block-size")
     if max_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
 
 
-def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None):
+def _check_backend(backend, device):
+    if device is not None and backend != "torch":
+        raise click.BadParameter("applies to --backend torch only", param_hint="--device")
+
+
+def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None, backend="mlx",
+              device=None):
     import mlxspec
 
     options = {"block_size": block_size} if block_size is not None else {}
     try:
-        target, tokenizer = mlxspec.load(model, dtype=dtype)
+        target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer,
                                     **options)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         _fail(err)
     if verbose:
-        click.echo(f"BLAS: {_blas.blas_in_use()}", err=True)
+        click.echo(_backend_line(target), err=True)
     return target, tokenizer, spec
+
+
+def _backend_line(target) -> str:
+    from mlxspec.loading import backend_of
+
+    if backend_of(target) == "torch":
+        return f"torch: {target.device}, {str(target.dtype).replace('torch.', '')}"
+    return f"BLAS: {_blas.blas_in_use()}"
 
 
 def build_prompt(tokenizer, messages, no_chat_template):
@@ -106,8 +128,9 @@ def main():
 @model_options
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
-def generate(prompt, model, dtype, drafter, draft_model, block_size, num_draft, adaptive,
-             max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, verbose):
+def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_size, num_draft,
+             adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template,
+             verbose):
     """Generate a reply to one prompt."""
     import mlxspec
     from mlxspec.generate import format_stats
@@ -117,7 +140,9 @@ def generate(prompt, model, dtype, drafter, draft_model, block_size, num_draft, 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
     _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size)
-    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose, block_size)
+    _check_backend(backend, device)
+    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose, block_size,
+                                        backend, device)
     text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
                         no_chat_template)
     last = None
@@ -140,15 +165,21 @@ def generate(prompt, model, dtype, drafter, draft_model, block_size, num_draft, 
 @decoding_options
 @click.option("--color/--no-color", default=None,
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
-def chat(model, dtype, drafter, draft_model, block_size, num_draft, adaptive, max_tokens, temp,
-         top_p, top_k, min_p, seed, system, no_chat_template, color):
+def chat(model, dtype, backend, device, drafter, draft_model, block_size, num_draft, adaptive,
+         max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, color):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
 
     _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size)
-    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, False, block_size)
+    _check_backend(backend, device)
+    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, False, block_size,
+                                        backend, device)
     color = sys.stdout.isatty() if color is None else color
-    history, prompt_cache = [], mlxspec.PromptCache()  # turns prefill only what is new
+    if backend == "torch":
+        from mlxspec.torch_backend import TorchPromptCache as PromptCache
+    else:
+        PromptCache = mlxspec.PromptCache
+    history, prompt_cache = [], PromptCache()  # turns prefill only what is new
     click.echo("mlxspec chat: /reset clears the history, /quit exits.")
     while True:
         try:
@@ -244,16 +275,17 @@ def _csv(kind):
 @click.option("--max-tokens", "-n", type=int, default=128, show_default=True)
 @click.option("--limit", type=int, default=10, show_default=True, help="Prompts per suite.")
 @click.option("--num-draft", "-k", type=int, default=None)
-@click.option("--mlx-lm/--no-mlx-lm", "with_mlx_lm", default=True,
-              help="Also run mlx-lm (plain, and --draft-model) on the same prompts.")
+@click.option("--mlx-lm/--no-mlx-lm", "with_mlx_lm", default=None,
+              help="Also run mlx-lm (plain, and --draft-model) on the same prompts "
+                   "(default: on with --backend mlx; not available with --backend torch).")
 @click.option("--mlx-lm-num-draft", type=int, default=4, show_default=True)
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
 @click.option("--markdown", default=None, type=click.Path(dir_okay=False),
               help="Also write the results table as Markdown.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
-def bench(model, dtype, drafters, draft_model, dflash_model, suites, temps, max_tokens, limit, num_draft,
-          with_mlx_lm, mlx_lm_num_draft, out, markdown, plot):
+def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, suites, temps,
+          max_tokens, limit, num_draft, with_mlx_lm, mlx_lm_num_draft, out, markdown, plot):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, markdown_table, run_benchmark, save_report
@@ -275,16 +307,23 @@ def bench(model, dtype, drafters, draft_model, dflash_model, suites, temps, max_
         raise click.BadParameter("the draft drafter needs --draft-model", param_hint="--draft-model")
     if "dflash" in drafters and not dflash_model:
         raise click.BadParameter("the dflash drafter needs --dflash-model", param_hint="--dflash-model")
+    _check_backend(backend, device)
+    if backend == "torch" and with_mlx_lm:
+        raise click.BadParameter("mlx-lm runs on MLX only; drop it with --backend torch",
+                                 param_hint="--mlx-lm")
+    with_mlx_lm = backend == "mlx" if with_mlx_lm is None else with_mlx_lm
     paths = {"draft": draft_model, "dflash": dflash_model}
     try:
-        target, tokenizer = mlxspec.load(model, dtype=dtype)
+        target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         built = {d: mlxspec.load_drafter(d, paths.get(d), model=target, tokenizer=tokenizer)
                  for d in drafters}
-        lm_draft = built["draft"].model if "draft" in built else (
-            mlxspec.load(draft_model, dtype=dtype)[0] if draft_model else None)
+        lm_draft = None
+        if with_mlx_lm:
+            lm_draft = built["draft"].model if "draft" in built else (
+                mlxspec.load(draft_model, dtype=dtype)[0] if draft_model else None)
     except (ValueError, FileNotFoundError) as err:
         _fail(err)
-    click.echo(f"BLAS: {_blas.blas_in_use()}", err=True)
+    click.echo(_backend_line(target), err=True)
     report = run_benchmark(
         target, tokenizer, drafters=built, suites=suites, temps=temps, max_tokens=max_tokens,
         limit=limit, num_draft=num_draft, mlx_lm_draft_model=lm_draft,
@@ -293,6 +332,9 @@ def bench(model, dtype, drafters, draft_model, dflash_model, suites, temps, max_
     )
     report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"
     report["settings"]["draft_model"] = draft_model
+    report["settings"]["backend"] = backend
+    if backend == "torch":
+        report["settings"]["device"] = _backend_line(target)
     table = markdown_table(report)
     click.echo(table)
     if out:
@@ -305,6 +347,10 @@ def bench(model, dtype, drafters, draft_model, dflash_model, suites, temps, max_
 
         plot_report(report, plot)
 
+
+from mlxspec.cli.train import train  # noqa: E402  (after OpenBLAS is loaded above)
+
+main.add_command(train)
 
 if __name__ == "__main__":
     main()

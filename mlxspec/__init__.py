@@ -3,6 +3,11 @@
     import mlxspec
     model, tokenizer = mlxspec.load()            # embedded SmolLM2-135M-Instruct
     text = mlxspec.generate(model, tokenizer, "Hello", max_tokens=64, drafter="lookup")
+
+The same loop runs on torch (transformers models; CUDA when available), torch imported only then:
+
+    model, tokenizer = mlxspec.load(backend="torch", device="cuda")
+    text = mlxspec.generate(model, tokenizer, "Hello", max_tokens=64, drafter="lookup")
 """
 
 from ._blas import blas_in_use, preload_openblas
@@ -12,12 +17,13 @@ preload_openblas()  # before anything imports mlx.core
 from .drafters import load_drafter  # noqa: E402
 from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
 from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
-from .loading import load  # noqa: E402
+from .loading import BACKENDS, load  # noqa: E402
 from .mlx_backend import PromptCache  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
+    "BACKENDS",
     "Draft",
     "Drafter",
     "GenerationResponse",

@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .engine import Drafter, SpecStats, speculative_tokens
+from .loading import backend_of, check_backend
 from .mlx_backend import MLXTarget, PromptCache, context_length
 from .sampling import SamplingConfig
 
@@ -54,12 +55,38 @@ def check_request(model, prompt_tokens: list[int], max_tokens: int) -> None:
         raise ValueError("the prompt is empty")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    limit = context_length(model)
+    if backend_of(model) == "torch":
+        from .torch_backend import context_length as torch_context_length
+
+        limit = torch_context_length(model)
+    else:
+        limit = context_length(model)
     if limit is not None and len(prompt_tokens) + max_tokens > limit:
         raise ValueError(
             f"prompt ({len(prompt_tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
             f"model's context window of {limit} tokens"
         )
+
+
+def resolve_backend(model, backend: str | None = None) -> str:
+    """The backend that runs `model`: its own type decides ("torch" for a torch module, else
+    "mlx"); an explicit `backend` is checked against it."""
+    actual = backend_of(model)
+    if backend is not None and check_backend(backend) != actual:
+        raise ValueError(
+            f"backend={backend!r} but the model is a {actual} model; load it with "
+            f"mlxspec.load(..., backend={backend!r})"
+        )
+    return actual
+
+
+def _backend_parts(backend: str):
+    """(target class, prompt cache class, seed function, peak memory in GB of a model)."""
+    if backend == "torch":
+        from . import torch_backend as tb
+
+        return tb.TorchTarget, tb.TorchPromptCache, tb.seed, tb.peak_memory_gb
+    return MLXTarget, PromptCache, mx.random.seed, lambda model: mx.get_peak_memory() / 1e9
 
 
 def _as_wrapper(tokenizer) -> TokenizerWrapper:
@@ -81,6 +108,7 @@ def stream_generate(
     min_p: float = 0.0,
     seed: int | None = None,
     prompt_cache: PromptCache | None = None,
+    backend: str | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream the continuation of `prompt` (a string or token ids, used as given).
 
@@ -90,9 +118,19 @@ def stream_generate(
     loop drafts fewer while live acceptance says the extra verify work would not pay.
     A `PromptCache` carries the target's KV cache across calls (chat turns), so only the part of
     the prompt not already in it is prefilled (not with drafters that read target features).
+    The backend follows the model: an mlx-lm model runs on MLX, a transformers model (from
+    `mlxspec.load(..., backend="torch")`) on torch, with a `TorchPromptCache` for `prompt_cache`;
+    `backend` ("mlx" or "torch") only checks that the model is of that kind.
     """
     from .drafters import resolve_drafter
 
+    backend = resolve_backend(model, backend)
+    target_class, cache_class, seed_backend, peak_memory = _backend_parts(backend)
+    if prompt_cache is not None and not isinstance(prompt_cache, cache_class):
+        raise TypeError(
+            f"a {type(prompt_cache).__name__} cannot hold a {backend} model's cache; use "
+            f"{cache_class.__module__}.{cache_class.__name__}"
+        )
     tokenizer = _as_wrapper(tokenizer)
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
@@ -100,14 +138,14 @@ def stream_generate(
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_request(model, prompt_tokens, max_tokens)
     reuse = prompt_cache is not None and not drafter.capture_layers
-    target = MLXTarget(
+    target = target_class(
         model,
         capture_layers=drafter.capture_layers,
         speculative=drafter.name != "none",
         cache=prompt_cache.take(model, prompt_tokens) if reuse else None,
     )
     if seed is not None:
-        mx.random.seed(seed)
+        seed_backend(seed)
 
     stats = SpecStats()
     detokenizer = tokenizer.detokenizer
@@ -134,7 +172,7 @@ def stream_generate(
             prompt_tps=prompt_tps,
             generation_tokens=n,
             generation_tps=n / elapsed if elapsed > 0 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9,
+            peak_memory=peak_memory(model),
             finish_reason=finish_reason,
             target_passes=stats.target_passes,
             drafted=stats.drafted,

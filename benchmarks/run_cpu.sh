@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The benchmark runs behind docs/benchmarks.md, on this project's 2-core Linux CPU.
+# Usage: bash benchmarks/run_cpu.sh [qwen]   (qwen: also the Qwen2.5-Coder 1.5B/0.5B pair; needs
+# QWEN15 and QWEN05 set to their converted directories, see docs/benchmarks.md)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
+out=docs/results
+mkdir -p "$out"
+mlxspec=.venv/bin/mlxspec
+
+# Default target, OpenBLAS: plain vs prompt lookup vs mlx-lm, three suites, greedy and T=1.
+$mlxspec bench --drafters none,lookup --suite humaneval,mtbench,copy --temp 0,1 --limit 4 \
+  --max-tokens 96 --out $out/smollm2-cpu-openblas.json --markdown $out/smollm2-cpu-openblas.md \
+  --plot $out/smollm2-cpu-openblas.png
+
+# The same with MLX's bundled reference BLAS (shorter: it is far slower).
+MLXSPEC_BLAS=reference $mlxspec bench --drafters none,lookup --suite copy --temp 0 --limit 2 \
+  --max-tokens 32 --out $out/smollm2-cpu-reference-blas.json \
+  --markdown $out/smollm2-cpu-reference-blas.md
+
+if [[ "${1:-}" == "qwen" ]]; then
+  # A real target / draft pair with one tokenizer: ours vs mlx-lm's --draft-model.
+  $mlxspec bench --model "$QWEN15" --draft-model "$QWEN05" --drafters none,draft --suite humaneval \
+    --temp 0,1 --limit 3 --max-tokens 64 --mlx-lm-num-draft 4 \
+    --out $out/qwen-coder-pair-cpu-openblas.json --markdown $out/qwen-coder-pair-cpu-openblas.md \
+    --plot $out/qwen-coder-pair-cpu-openblas.png
+fi

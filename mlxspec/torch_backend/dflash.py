@@ -1,0 +1,448 @@
+"""DFlash in torch: the drafter module and its loop adapter, ported from our MLX implementation
+(mlxspec.models.dflash and mlxspec.drafters.dflash), same math and same released checkpoint
+format (z-lab's safetensors names, config.json read by the same DFlashConfig).
+
+N Qwen3-style layers fill a block [last token, MASK, ...] in one pass. Target features (outputs
+of `target_layer_ids`) are fused by `fc` + `hidden_norm` into one context vector per committed
+position; each layer projects it with its own k/v weights, so context exists only as K/V, kept
+in a per-layer cache at their true positions. Block K/V are transient.
+"""
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..drafters.dflash import check_against_target, check_block_size
+from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
+from ..models.dflash import DFlashConfig, read_config
+from ..sampling import SamplingConfig
+from .target import decoder_layers, model_device
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (head_dim/2,), position scale) for mlx-lm's initialize_rope types
+    default, linear and llama3 (NeoX style, traditional=False)."""
+    base, kind = float(rope["rope_theta"]), rope.get("rope_type", "default")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    if kind in ("default", "linear"):
+        scale = 1.0 / rope["factor"] if kind == "linear" else 1.0
+        return 1.0 / base**exponents, scale
+    if kind == "llama3":
+        factor = rope["factor"]
+        low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+        old_len = rope.get("original_max_position_embeddings", 8192)
+        periods = base**exponents
+        wavelens = 2 * math.pi * periods
+        periods = torch.where(wavelens > old_len / low, periods * factor, periods)
+        medium = (wavelens > old_len / high) & (wavelens < old_len / low)
+        smooth = (old_len / wavelens - low) / (high - low)
+        smoothed = periods / ((1 - smooth) / factor + smooth)
+        return 1.0 / torch.where(medium, smoothed, periods), 1.0
+    raise ValueError(f"DFlash rope_type {kind!r} is not supported by the torch backend yet")
+
+
+class RoPE:
+    """Rotate-half RoPE at absolute positions offset .. offset+L-1, computed in float32."""
+
+    def __init__(self, head_dim: int, rope: dict):
+        self.inv_freq, self.scale = rope_inverse_frequencies(head_dim, rope)
+        self._on: dict = {}
+
+    def __call__(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        """(B, heads, L, head_dim) -> same shape."""
+        inv_freq = self._on.get(x.device)
+        if inv_freq is None:
+            inv_freq = self._on[x.device] = self.inv_freq.to(x.device)
+        L = x.shape[-2]
+        positions = (offset + torch.arange(L, device=x.device, dtype=torch.float32)) * self.scale
+        angles = positions[:, None] * inv_freq[None]  # (L, head_dim/2)
+        cos, sin = angles.cos(), angles.sin()
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def block_mask(start: int, num_ctx: int, length: int, *, causal: bool, window: int | None, device):
+    """(length, num_ctx + length) bool visibility by absolute position, or None (see all).
+    Context keys sit at positions start-num_ctx .. start-1, block slot i at start+i."""
+    if not causal and window is None:
+        return None
+    query = start + torch.arange(length, device=device)[:, None]
+    key = start - num_ctx + torch.arange(num_ctx + length, device=device)[None]
+    visible = torch.ones((length, num_ctx + length), dtype=torch.bool, device=device)
+    if causal:
+        visible = visible & (key <= query)
+    if window is not None:
+        visible = visible & (query - key < window)
+        if not causal:
+            visible = visible & (key - query < window)
+    return visible
+
+
+class Attention(nn.Module):
+    """Queries from the block; keys/values from [context ; block] with the same weights."""
+
+    def __init__(self, args: DFlashConfig, layer_type: str):
+        super().__init__()
+        dim, bias = args.hidden_size, args.attention_bias
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        sliding = layer_type == "sliding_attention"
+        self.is_causal = sliding if args.is_causal is None else bool(args.is_causal)
+        self.window = args.sliding_window if sliding else None
+
+    def keys_values(self, x: torch.Tensor, rope: RoPE, offset: int):
+        """(B, L, H) -> rotated keys and values, each (B, kv_heads, L, head_dim)."""
+        B, L, _ = x.shape
+        keys = self.k_norm(self.k_proj(x).view(B, L, self.n_kv_heads, -1))
+        values = self.v_proj(x).view(B, L, self.n_kv_heads, -1)
+        return rope(keys.transpose(1, 2), offset), values.transpose(1, 2)
+
+    def forward(self, x, rope: RoPE, start: int, context: tuple | None) -> torch.Tensor:
+        B, L, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).view(B, L, self.n_heads, -1))
+        queries = rope(queries.transpose(1, 2), start)  # (B, heads, L, head_dim)
+        keys, values = self.keys_values(x, rope, start)
+        num_ctx = 0
+        if context is not None:
+            ctx_keys, ctx_values = context
+            if self.window is not None:  # the first block slot sees only the last window-1
+                ctx_keys = ctx_keys[..., -(self.window - 1) :, :]
+                ctx_values = ctx_values[..., -(self.window - 1) :, :]
+            num_ctx = ctx_keys.shape[2]
+            keys = torch.cat([ctx_keys, keys], dim=2)
+            values = torch.cat([ctx_values, values], dim=2)
+        repeat = self.n_heads // self.n_kv_heads  # query head h reads kv head h // repeat
+        if repeat > 1:
+            keys = keys.repeat_interleave(repeat, dim=1)
+            values = values.repeat_interleave(repeat, dim=1)
+        mask = block_mask(start, num_ctx, L, causal=self.is_causal, window=self.window,
+                          device=x.device)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                             scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DFlashConfig, layer_type: str):
+        super().__init__()
+        self.self_attn = Attention(args, layer_type)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, rope, start, context):
+        h = x + self.self_attn(self.input_layernorm(x), rope, start, context)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ContextKV:
+    """One layer's context K/V, (1, kv_heads, S, head_dim), grown in steps like mlx-lm's KVCache."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor):
+        end = self.offset + keys.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            size = -(-end // self.step) * self.step
+            grown_k = keys.new_empty((*keys.shape[:2], size, keys.shape[3]))
+            grown_v = values.new_empty((*values.shape[:2], size, values.shape[3]))
+            if self.keys is not None:
+                grown_k[:, :, : self.offset] = self.keys[:, :, : self.offset]
+                grown_v[:, :, : self.offset] = self.values[:, :, : self.offset]
+            self.keys, self.values = grown_k, grown_v
+        self.keys[:, :, self.offset : end] = keys
+        self.values[:, :, self.offset : end] = values
+        self.offset = end
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+class DFlashModel(nn.Module):
+    """The drafter. `own_embed`/`own_head`: the checkpoint carries embed_tokens/lm_head."""
+
+    def __init__(self, args: DFlashConfig, *, own_embed: bool = False, own_head: bool = False):
+        super().__init__()
+        self.args = args
+        H = args.hidden_size
+        self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, args.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(args, t) for t in args.layer_types)
+        self.norm = RMSNorm(H, args.rms_norm_eps)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(args.vocab_size, H)
+        if own_head:
+            self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
+        self.rope = RoPE(args.head_dim, args.rope)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def make_cache(self) -> list[ContextKV]:
+        return [ContextKV() for _ in self.layers]
+
+    def append_context(self, features: torch.Tensor, cache: list[ContextKV]) -> None:
+        """Append target features (S, n_ids * H) of the next S committed positions."""
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)[None]))  # (1, S, H)
+        offset = cache[0].offset
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, offset))
+
+    def forward(self, embeddings: torch.Tensor, cache: list[ContextKV]) -> torch.Tensor:
+        """Block embeddings (B, L, H) at positions offset..offset+L-1 -> normed hidden (B, L, H)."""
+        start = cache[0].offset
+        h = embeddings.to(self.dtype)
+        for layer, c in zip(self.layers, cache):
+            context = c.keys_and_values() if c.offset else None
+            h = layer(h, self.rope, start, context)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor, head) -> torch.Tensor:
+        """z-lab's head: the LM head, times output_multiplier, then optional tanh softcap."""
+        logits = head(hidden)
+        if self.args.output_multiplier != 1.0:
+            logits = logits * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class TorchDFlashDrafter(Drafter):
+    """mlxspec.drafters.dflash.DFlashDrafter for the torch backend, line for line."""
+
+    name = "dflash"
+    backend = "torch"
+
+    def __init__(self, model: DFlashModel, *, embed_tokens, lm_head, block_size=None,
+                 final_norm=None, target_layers: int | None = None):
+        self.model = model
+        self.args = model.args
+        self.block_size = check_block_size(block_size, self.args.block_size)
+        self.default_num_draft = self.block_size - 1
+        self.capture_layers = tuple(self.args.target_layer_ids)
+        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        # Our capture is before the target's final norm; z-lab conditions on transformers'
+        # hidden_states[-1], which is after it, for the last layer.
+        last = None if target_layers is None else target_layers - 1
+        self._normed_slots = [i for i, l in enumerate(self.capture_layers) if l == last]
+        if self._normed_slots and final_norm is None:
+            raise ValueError("the drafter captures the target's last layer: pass its final_norm")
+        self.final_norm = final_norm
+        self.device = model.fc.weight.device
+        self.cache = model.make_cache()
+
+    @property
+    def context_length(self) -> int:
+        return self.cache[0].offset
+
+    @torch.inference_mode()
+    def begin(self, prompt, features=None):
+        self.cache = self.model.make_cache()
+        self._append(features)
+
+    def _append(self, features) -> None:
+        if features is None:
+            raise ValueError(
+                "the DFlash drafter needs target hidden states: build the target with "
+                "capture_layers=drafter.capture_layers"
+            )
+        if features.shape[0] == 0:  # a one-token prompt has no context yet
+            return
+        width = len(self.capture_layers) * self.args.hidden_size
+        if features.ndim != 2 or features.shape[1] != width:
+            raise ValueError(
+                f"target features have shape {tuple(features.shape)}; the DFlash drafter expects "
+                f"(positions, {width}) from layers {list(self.capture_layers)}"
+            )
+        self.model.append_context(self._as_reference(features), self.cache)
+
+    def _as_reference(self, features: torch.Tensor) -> torch.Tensor:
+        """Apply the target's final norm to the last layer's slice, as transformers does."""
+        if not self._normed_slots:
+            return features
+        parts = list(features.split(self.args.hidden_size, dim=-1))
+        for i in self._normed_slots:
+            parts[i] = self.final_norm(parts[i])
+        return torch.cat(parts, dim=-1)
+
+    def _rewind(self, num_context: int) -> None:
+        excess = self.context_length - num_context
+        if excess < 0:
+            raise ValueError(
+                f"the DFlash context holds {self.context_length} positions but {num_context} "
+                "tokens precede the pending one; commit() must receive every verdict's features"
+            )
+        for c in self.cache:
+            c.trim(excess)
+
+    @torch.inference_mode()
+    def block_logits(self, tokens: list[int], num_draft: int) -> torch.Tensor:
+        """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last)."""
+        self._rewind(len(tokens) - 1)
+        block = torch.tensor([[tokens[-1]] + [self.args.mask_token_id] * num_draft],
+                             dtype=torch.long, device=self.device)
+        embeddings = self.embed_tokens(block) * self.args.input_embedding_scale  # (1, L, H)
+        hidden = self.model(embeddings, self.cache)[:, 1:]
+        head_dtype = self.lm_head.weight.dtype
+        return self.model.compute_logits(hidden.to(head_dtype), self.lm_head)[0]
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
+        num_draft = min(k, self.block_size - 1)
+        if num_draft < 1:
+            return EMPTY_DRAFT
+        return Draft(tokens=torch.argmax(self.block_logits(tokens, num_draft), dim=-1))
+
+    @torch.inference_mode()
+    def commit(self, tokens: list[int], verdict: Verdict) -> None:
+        self._append(verdict.features)
+
+
+# ---- Checkpoint files and the target's side --------------------------------------------------
+
+
+def read_weights(path: Path, device) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's *.safetensors files (pickle checkpoints never load)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f), device=str(device)))
+    return weights
+
+
+def build_checked(args: DFlashConfig, weights: dict[str, torch.Tensor]) -> DFlashModel:
+    """The model the weights describe, loaded; names any missing, wrong-shaped or unexpected
+    weight in the words of mlxspec.models.dflash.check_weights."""
+    with torch.device("meta"):  # shapes only: the checkpoint's tensors are assigned below
+        model = DFlashModel(args, own_embed="embed_tokens.weight" in weights,
+                            own_head="lm_head.weight" in weights)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = [
+        f"{n} has shape {tuple(weights[n].shape)}, config.json implies {expected[n]}"
+        for n in sorted(set(expected) & set(weights))
+        if tuple(weights[n].shape) != expected[n]
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {', '.join(missing)}")
+    if wrong:
+        problems.append("wrong-shaped weights: " + "; ".join(wrong))
+    if unexpected:
+        problems.append(f"unexpected weights: {', '.join(unexpected)}")
+    if problems:
+        raise ValueError(
+            f"DFlash checkpoint does not match its config.json (hidden {args.hidden_size}, "
+            f"{args.num_hidden_layers} layers): " + ". ".join(problems)
+        )
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def _sizes_view(model) -> SimpleNamespace:
+    """The few attributes mlxspec.drafters.dflash.check_against_target reads of an mlx-lm model,
+    taken from a transformers one, so both backends refuse a mismatched drafter in one voice."""
+    embed = model.get_input_embeddings()
+    vocab, hidden = embed.weight.shape
+    return SimpleNamespace(
+        embed_tokens=SimpleNamespace(weight=SimpleNamespace(shape=(vocab, hidden))),
+        args=SimpleNamespace(hidden_size=getattr(model.config, "hidden_size", hidden)),
+        layers=[None] * len(decoder_layers(model)),
+    )
+
+
+def final_norm_of(model):
+    inner = getattr(model, "model", model)
+    return getattr(inner, "norm", None)
+
+
+def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None):
+    """Load a DFlash checkpoint for a transformers target `model` (see the MLX loader); the
+    drafter runs on the target's device, in the target's dtype."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
+
+        path = resolve_hf_source(str(path))
+    args = DFlashConfig.from_dict(read_config(path))
+    check_against_target(args, _sizes_view(model))
+    check_block_size(block_size, args.block_size)
+    device = model_device(model)
+    drafter_model = build_checked(args, read_weights(path, device))
+    drafter_model.to(device=device, dtype=next(model.parameters()).dtype)
+    embed = getattr(drafter_model, "embed_tokens", None)
+    head = getattr(drafter_model, "lm_head", None)
+    if head is None and embed is not None and args.tie_word_embeddings:
+        head = _TiedHead(embed)
+    return TorchDFlashDrafter(
+        drafter_model,
+        embed_tokens=embed if embed is not None else model.get_input_embeddings(),
+        lm_head=head if head is not None else model.get_output_embeddings(),
+        block_size=block_size,
+        final_norm=final_norm_of(model),
+        target_layers=len(decoder_layers(model)),
+    )
+
+
+class _TiedHead(nn.Module):
+    """An embedding used as the LM head (a drafter with its own tied vocabulary)."""
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self.weight = embed.weight
+
+    def forward(self, x):
+        return F.linear(x, self.weight)

@@ -1,0 +1,228 @@
+"""The torch target: a transformers causal LM and its DynamicCache, for the shared loop.
+
+Same contract as mlxspec.mlx_backend.MLXTarget: prefill all but the pending token, verify
+[pending, drafts] in one forward pass, accept on the device, read one packed tensor back to the
+host, crop the cache to the committed tokens.
+"""
+
+import inspect
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+
+from ..engine import Draft, Verdict
+from ..sampling import SamplingConfig
+from .acceptance import accept_greedy, accept_sampled
+from .sampling import sample_token
+
+
+def context_length(model) -> int | None:
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def cache_argument(model) -> str:
+    """transformers 5.2x renamed forward's `past_key_values` to `cache`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def make_cache(model):
+    """A fresh DynamicCache laid out for the model's layer types (full or sliding)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def can_crop(cache) -> bool:
+    """Whether cropping puts the cache back exactly (sliding-window layers cannot)."""
+    croppable = getattr(cache, "is_croppable", None)
+    if croppable is not None:
+        return bool(croppable)
+    return not any(getattr(cache, "is_sliding", None) or [])
+
+
+def crop(cache, n: int) -> None:
+    """Drop the last n positions. `crop(-n)` means "remove n" in every transformers 5 release
+    (5.2x refuses positive values; earlier ones read them as a length to keep)."""
+    if n > 0:
+        cache.crop(-n)
+
+
+def decoder_layers(model) -> list:
+    for owner in (getattr(model, "model", None), model, getattr(model, "language_model", None)):
+        layers = getattr(owner, "layers", None) if owner is not None else None
+        if isinstance(layers, torch.nn.ModuleList):
+            return list(layers)
+    raise ValueError(f"{type(model).__name__} has no list of decoder layers to capture from")
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextmanager
+def capture_layer_outputs(model, layer_ids):
+    """Yield a list that, after the forward pass, holds the outputs of `layer_ids` in order
+    (before the final norm, as mlxspec.hidden_states captures them). Hooks live for one call:
+    the caller's model is never left altered and plain decoding pays nothing."""
+    if not layer_ids:
+        yield []
+        return
+    layers = decoder_layers(model)
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"layer ids {bad} out of range for a {len(layers)}-layer target")
+    sink, outputs = {}, []
+
+    def recorder(index):
+        def hook(module, args, output):
+            sink[index] = _first(output)
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(recorder(i)) for i in set(layer_ids)]
+    try:
+        yield outputs
+        outputs.extend(sink[i] for i in layer_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class TorchTarget:
+    """Wraps a transformers causal LM and its KV cache for one generation."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        capture_layers: Sequence[int] = (),
+        speculative: bool = False,
+        prefill_step_size: int = 2048,
+        cache=None,
+    ):
+        self.model = model
+        self.device = model_device(model)
+        self.cache = cache if cache is not None else make_cache(model)
+        self.context_length = context_length(model)
+        self.capture_layers = tuple(capture_layers)
+        self.prefill_step_size = prefill_step_size
+        self._cache_arg = cache_argument(model)
+        if speculative and not can_crop(self.cache):
+            raise ValueError(
+                f"speculative decoding needs a cache that can roll back rejected drafts; this "
+                f"model's {type(self.cache).__name__} has layers that cannot. Use --drafter none."
+            )
+
+    def _forward(self, tokens: torch.Tensor, last_only: bool = False):
+        kwargs = {self._cache_arg: self.cache, "use_cache": True}
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        with capture_layer_outputs(self.model, self.capture_layers) as hidden:
+            out = self.model(input_ids=tokens[None], **kwargs)
+        features = torch.cat(hidden, dim=-1)[0] if hidden else None
+        return out.logits[0], features
+
+    @torch.inference_mode()
+    def prefill(self, tokens: Sequence[int]):
+        """Process all tokens but the last that the cache does not hold yet (a reused cache holds
+        a prefix); return the captured features of the processed ones (n, H*layers) or None."""
+        if self.capture_layers and self.offset:
+            raise ValueError("a drafter that reads target features needs a fresh target cache")
+        body = torch.tensor(list(tokens[self.offset : -1]), dtype=torch.long, device=self.device)
+        features = []
+        for start in range(0, body.shape[0], self.prefill_step_size):
+            _, chunk = self._forward(body[start : start + self.prefill_step_size], last_only=True)
+            if chunk is not None:
+                features.append(chunk)
+        if not self.capture_layers:
+            return None
+        if not features:
+            return torch.zeros((0, 0), device=self.device)
+        return torch.cat(features, dim=0)
+
+    @torch.inference_mode()
+    def verify(self, pending: int, draft: Draft, sampling: SamplingConfig) -> Verdict:
+        """One forward pass over [pending, drafts]; acceptance; one host sync."""
+        if isinstance(draft.tokens, list):
+            drafts = torch.tensor(draft.tokens, dtype=torch.long, device=self.device)
+        elif isinstance(draft.tokens, torch.Tensor):
+            drafts = draft.tokens.to(device=self.device, dtype=torch.long)
+        else:
+            raise TypeError(
+                f"draft tokens are a {type(draft.tokens).__module__}.{type(draft.tokens).__name__}: "
+                "this drafter was built for another backend; load it with the torch target model"
+            )
+        inputs = torch.cat([torch.tensor([pending], dtype=torch.long, device=self.device), drafts])
+        logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
+        if drafts.shape[0] == 0:
+            accepted = torch.zeros((), dtype=torch.long, device=self.device)
+            next_token = sample_token(logits[-1], sampling)
+        elif sampling.greedy:
+            accepted, next_token = accept_greedy(logits, drafts)
+        else:
+            probs = draft.probs.to(self.device) if draft.probs is not None else None
+            accepted, next_token = accept_sampled(logits, drafts, probs, sampling)
+        packed = torch.cat([drafts, accepted.reshape(1), next_token.reshape(1).to(torch.long)])
+        host = packed.tolist()  # the step's one host sync
+        num_accepted = host[-2]
+        return Verdict(
+            draft_tokens=host[:-2],
+            accepted=num_accepted,
+            next_token=host[-1],
+            features=features[: num_accepted + 1] if features is not None else None,
+        )
+
+    def trim(self, n: int) -> None:
+        crop(self.cache, n)
+
+    def can_trim(self) -> bool:
+        return can_crop(self.cache)
+
+    @property
+    def offset(self) -> int:
+        return cache_length(self.cache)
+
+
+class TorchPromptCache:
+    """mlxspec.PromptCache for the torch backend: a DynamicCache kept across calls (chat turns);
+    each new prompt reuses the longest prefix it shares with what the cache holds."""
+
+    def __init__(self):
+        self.cache = None
+        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def take(self, model, prompt: Sequence[int]):
+        """The cache cropped to the longest common prefix with `prompt` (never all of it: the
+        last prompt token is the loop's pending token)."""
+        if self.cache is None or not can_crop(self.cache):
+            self.cache, self.tokens = make_cache(model), []
+        keep = 0
+        for a, b in zip(self.tokens, prompt[:-1]):
+            if a != b:
+                break
+            keep += 1
+        self._trim_to(keep)
+        return self.cache
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
+        anything the cache holds past them (drafts after a stop token) is cropped."""
+        self.tokens = list(tokens[: cache_length(self.cache)])
+        self._trim_to(len(self.tokens))
+
+    def _trim_to(self, keep: int) -> None:
+        crop(self.cache, cache_length(self.cache) - keep)
+        self.tokens = self.tokens[:keep]

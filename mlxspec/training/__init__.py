@@ -1,0 +1,7 @@
+"""Training drafters for a frozen target: data (prompts, target responses) and trainers."""
+
+from .data import SequenceStore, build_sequences, load_examples, sharegpt_examples
+from .dflash_trainer import TrainResult, train_dflash
+
+__all__ = ["SequenceStore", "TrainResult", "build_sequences", "load_examples",
+           "sharegpt_examples", "train_dflash"]

@@ -1,0 +1,625 @@
+"""Train a DFlash drafter for a frozen MLX target (the paper's recipe, SpecForge-style).
+
+Per training sequence (prompt + the target's own response, token ids from a `SequenceStore`):
+  1. the frozen target runs once over the whole sequence; the outputs of `target_layer_ids` are
+     captured (only the layers up to the deepest captured one run; no LM head);
+  2. up to `anchors` random anchor positions a are drawn in the response; each gives a block
+     [token[a], MASK x (bs-1)] at positions a..a+bs-1;
+  3. all blocks run through the drafter at once. Attention uses an explicit mask
+     (`training_mask`): a block sees the fused context of positions strictly before its anchor
+     plus its own block, never another block, exactly what the inference path sees when the block
+     is drafted after committing token[a] (tests/test_training.py checks the two agree);
+  4. cross-entropy of slot k (1..bs-1) against token[a+k], weighted exp(-(k-1)/gamma), through
+     the target's frozen LM head.
+Only the drafter's weights train (AdamW, warmup + cosine). Target features carry huge outlier
+dimensions, so the fc input is divided per dimension by its RMS (measured on training data);
+being linear, that scale is folded into `fc.weight` when a checkpoint is written, so checkpoints
+are plain z-lab format (config.json + model.safetensors) for `load_dflash_drafter`.
+
+The run is resumable: `out/train_state/` holds the training weights, the AdamW state, the feature
+scale (safetensors) and step, numpy RNG state, data cursor and log (json); a stop at any point
+loses at most the steps since the last save. Every `eval_every` steps, τ (tokens per target pass)
+on held-out prompts is measured by the real verification loop with the current drafter.
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..drafters.dflash import (
+    DFlashDrafter,
+    _target_inner,
+    target_embedding,
+    target_final_norm,
+    target_head,
+    target_sizes,
+)
+from ..hidden_states import capture_layer_outputs, concat_features, decoder_layers
+from ..models.dflash import ARCHITECTURE, DFlashConfig, DFlashModel, build_target_layer_ids
+from .data import (
+    SequenceStore,
+    _atomic_save_safetensors,
+    _atomic_write_text,
+    build_sequences,
+    encode_prompt,
+    eos_ids,
+    fingerprint,
+    load_examples,
+    split_heldout,
+)
+
+STATE_DIR = "train_state"
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's loss decay: 7 for blocks of 16, 5 for 10, 4 for 8; else scaled from 16."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, 7.0 * block_size / 16)
+
+
+# ---- Drafter configuration and initialisation -----------------------------------------------
+
+
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """A special token that is neither eos, bos nor pad (<|endoftext|> for SmolLM2), else the
+    last id. The embedding is the target's and frozen: the id only has to be one that never
+    starts a block."""
+    if tokenizer is not None:
+        avoid = eos_ids(tokenizer) | {
+            getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "pad_token_id", None)
+        }
+        for i in getattr(tokenizer, "all_special_ids", []) or []:
+            if i not in avoid and 0 <= i < vocab_size:
+                return int(i)
+    return vocab_size - 1
+
+
+def drafter_config_for(
+    target,
+    *,
+    layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids=None,
+    mask_token_id: int,
+    overrides: dict | None = None,
+) -> dict:
+    """A released-format config.json whose layers mirror the target's (so they can start as
+    copies of target layers): same hidden, heads, head_dim, MLP width, rope and norm eps."""
+    hidden, vocab, num_layers = target_sizes(target)
+    a = getattr(target, "args", None)
+
+    def arg(name, default=None):
+        return getattr(a, name, None) if getattr(a, name, None) is not None else default
+
+    heads = arg("num_attention_heads", max(hidden // 64, 1))
+    ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(num_layers, layers)
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": arg("intermediate_size", 4 * hidden),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": arg("num_key_value_heads", heads),
+        "head_dim": arg("head_dim", hidden // heads),
+        "hidden_act": "silu",
+        "rms_norm_eps": arg("rms_norm_eps", 1e-6),
+        "rope_theta": float(arg("rope_theta", 10000.0)),
+        "max_position_embeddings": arg("max_position_embeddings", 32768),
+        "vocab_size": vocab,
+        "attention_bias": False,
+        "layer_types": ["full_attention"] * layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "block_size": block_size,
+        "num_target_layers": num_layers,
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": ids},
+        "torch_dtype": "float32",
+    }
+    if arg("rope_scaling"):
+        config["rope_scaling"] = dict(a.rope_scaling)
+    for key, value in (overrides or {}).items():
+        if key in ("mask_token_id", "target_layer_ids"):
+            config["dflash_config"][key] = value
+        else:
+            config[key] = value
+    return config
+
+
+def init_from_target(model: DFlashModel, target, source_layers=None) -> list[int]:
+    """Copy target decoder layers (default: the last N) into the drafter's N layers wherever
+    names and shapes agree (q_norm/k_norm, fc and the norms keep their fresh values); returns
+    the layers used."""
+    t_layers = decoder_layers(target)
+    n = len(model.layers)
+    source_layers = list(source_layers) if source_layers else list(range(len(t_layers) - n, len(t_layers)))
+    updates = []
+    for i, j in enumerate(source_layers):
+        ours = dict(tree_flatten(model.layers[i].parameters()))
+        for name, w in tree_flatten(t_layers[j].parameters()):
+            if name in ours and ours[name].shape == w.shape:
+                updates.append((f"layers.{i}.{name}", w.astype(ours[name].dtype)))
+    # The final `norm` stays at ones: copying the target's final norm tripled the initial loss
+    # on SmolLM2 (27.5 vs 16.6 nats; random layers: 42).
+    model.load_weights(updates, strict=False)
+    return source_layers
+
+
+# ---- Target features ----------------------------------------------------------------------
+
+
+def target_features(target, tokens, layer_ids) -> mx.array:
+    """(L, len(ids)*H) outputs of `layer_ids` for the whole sequence, as the inference path sees
+    them (the last target layer's output after the final norm). Layers past the deepest id and
+    the LM head are not run."""
+    inner = _target_inner(target)
+    layers = decoder_layers(target)
+    deepest = max(layer_ids)
+    inputs = mx.array(tokens, dtype=mx.int32)[None]
+    own_list = getattr(inner, "layers", None) is layers
+    with capture_layer_outputs(target, layer_ids) as outputs:
+        if own_list:
+            inner.layers = layers[: deepest + 1]  # stop after the deepest captured layer
+            try:
+                inner(inputs)
+            finally:
+                inner.layers = layers
+        else:
+            target(inputs)
+    features = concat_features(outputs)[0]
+    last = len(layers) - 1
+    if last in layer_ids:
+        H = features.shape[-1] // len(layer_ids)
+        norm = target_final_norm(target)
+        parts = [features[:, i * H : (i + 1) * H] for i in range(len(layer_ids))]
+        parts = [norm(p) if l == last else p for p, l in zip(parts, layer_ids)]
+        features = mx.concatenate(parts, axis=-1)
+    return mx.stop_gradient(features)
+
+
+# ---- The training forward pass ------------------------------------------------------------
+
+
+def training_mask(anchors: mx.array, block_size: int, seq_len: int, *, causal: bool = False,
+                  window: int | None = None) -> mx.array:
+    """(N, bs, seq_len + bs) bool: what slot i of the block at anchor a sees.
+
+    Keys are the context positions 0..seq_len-1 followed by the block's own slots. Context p is
+    visible iff p < a (strictly before the anchor); other blocks are not keys at all. Causal
+    ("sliding_attention") layers see slots j <= i; a window keeps keys with |q - k| < window,
+    by absolute position (query a+i), as `models.dflash.block_mask` does at inference.
+    """
+    a = anchors.astype(mx.int32)[:, None, None]
+    i = mx.arange(block_size)[None, :, None]
+    p = mx.arange(seq_len)[None, None, :]
+    j = mx.arange(block_size)[None, None, :]
+    ctx = p < a
+    blk = mx.ones((1, block_size, block_size), dtype=mx.bool_)
+    if causal:
+        blk = blk & (j <= i)
+    if window is not None:
+        ctx = ctx & ((a + i) - p < window)
+        blk = blk & (i - j < window)
+        if not causal:
+            blk = blk & (j - i < window)
+    N = anchors.shape[0]
+    return mx.concatenate(
+        [mx.broadcast_to(ctx, (N, block_size, seq_len)),
+         mx.broadcast_to(blk, (N, block_size, block_size))], axis=-1
+    )
+
+
+def _attention(attn, x, ctx, anchors, rope, seq_len):
+    """One drafter attention over all blocks: x (N, bs, H) block inputs, ctx (1, L, H) fused
+    context. Context K/V are computed once and shared by every block."""
+    N, bs, _ = x.shape
+    nh, kvh, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    ctx_k, ctx_v = attn.keys_values(ctx, rope, 0)  # (1, kvh, L, D), rotated at 0..L-1
+    q = attn.q_norm(attn.q_proj(x).reshape(N, bs, nh, D)).transpose(0, 2, 1, 3)
+    q = rope(q, offset=anchors)  # block slot i of anchor a sits at position a+i
+    k = attn.k_norm(attn.k_proj(x).reshape(N, bs, kvh, D)).transpose(0, 2, 1, 3)
+    k = rope(k, offset=anchors)
+    v = attn.v_proj(x).reshape(N, bs, kvh, D).transpose(0, 2, 1, 3)
+    rep = nh // kvh
+    qg = (q * attn.scale).reshape(N, kvh, rep, bs, D)
+    scores = mx.concatenate([
+        qg @ ctx_k[:, :, None].swapaxes(-1, -2),  # (N, kvh, rep, bs, L)
+        qg @ k[:, :, None].swapaxes(-1, -2),  # (N, kvh, rep, bs, bs)
+    ], axis=-1)
+    mask = training_mask(anchors, bs, seq_len, causal=attn.is_causal, window=attn.window)
+    scores = mx.where(mask[:, None, None], scores, mx.array(-1e30, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = probs[..., :seq_len] @ ctx_v[:, :, None] + probs[..., seq_len:] @ v[:, :, None]
+    return attn.o_proj(out.reshape(N, nh, bs, D).transpose(0, 2, 1, 3).reshape(N, bs, -1))
+
+
+def block_hidden(model: DFlashModel, features: mx.array, block_embeddings: mx.array,
+                 anchors: mx.array) -> mx.array:
+    """Normed drafter hidden states (N, bs, H) of every block, given the whole sequence's
+    (already scaled) target features (L, K*H) and the blocks' input embeddings (N, bs, H)."""
+    seq_len = features.shape[0]
+    ctx = model.hidden_norm(model.fc(features.astype(model.dtype)[None]))
+    h = block_embeddings.astype(model.dtype)
+    anchors = anchors.astype(mx.int32)
+    for layer in model.layers:
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), ctx, anchors, model.rope,
+                           seq_len)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.norm(h)
+
+
+def block_tokens(tokens: mx.array, anchors: mx.array, block_size: int, mask_id: int) -> mx.array:
+    """(N, bs) block inputs: [token[a], MASK, ...]."""
+    first = tokens[anchors][:, None]
+    return mx.concatenate(
+        [first, mx.full((anchors.shape[0], block_size - 1), mask_id, dtype=first.dtype)], axis=1
+    )
+
+
+def training_logits(model, features, tokens, anchors, *, embed_tokens, lm_head):
+    """Drafter logits (N, bs-1, V) of slots 1..bs-1 for every anchor (the training path)."""
+    args = model.args
+    block = block_tokens(tokens, anchors, args.block_size, args.mask_token_id)
+    emb = mx.stop_gradient(embed_tokens(block) * args.input_embedding_scale)
+    hidden = block_hidden(model, features, emb, anchors)[:, 1:]
+    return model.compute_logits(hidden, lm_head)
+
+
+def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma):
+    """(sum of weighted CE, sum of weights, correct slot-1 predictions) for one sequence."""
+    bs = model.args.block_size
+    logits = training_logits(model, features, tokens, anchors,
+                             embed_tokens=embed_tokens, lm_head=lm_head).astype(mx.float32)
+    L = tokens.shape[0]
+    idx = anchors[:, None] + mx.arange(1, bs)[None]
+    valid = idx < L
+    labels = tokens[mx.minimum(idx, L - 1)]
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    weights = mx.exp(-mx.arange(bs - 1, dtype=mx.float32) / gamma)[None] * valid
+    correct = (mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]).sum()
+    return (ce * weights).sum(), weights.sum(), correct
+
+
+# ---- Checkpoints ----------------------------------------------------------------------------
+
+
+def export_weights(model: DFlashModel, inv_scale: mx.array | None) -> dict[str, mx.array]:
+    """z-lab-named weights with the feature scale folded into fc (x/s then W  ==  W/s then x)."""
+    weights = dict(tree_flatten(model.parameters()))
+    if inv_scale is not None:
+        weights["fc.weight"] = weights["fc.weight"] * inv_scale[None].astype(weights["fc.weight"].dtype)
+    return weights
+
+
+def export_drafter(model: DFlashModel, inv_scale, target) -> DFlashDrafter:
+    """An inference drafter with the current weights (scale folded), for τ measurement."""
+    copy = DFlashModel(model.args)
+    copy.load_weights(list(export_weights(model, inv_scale).items()))
+    mx.eval(copy.parameters())
+    copy.eval()
+    return DFlashDrafter(
+        copy, embed_tokens=target_embedding(target), lm_head=target_head(target),
+        final_norm=target_final_norm(target), target_layers=len(decoder_layers(target)),
+    )
+
+
+def write_checkpoint(out: Path, config: dict, model, inv_scale) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    state = out / STATE_DIR
+    state.mkdir(exist_ok=True)
+    _atomic_save_safetensors(out / "model.safetensors", export_weights(model, inv_scale),
+                             tmp_dir=state)  # the temporary file must not sit beside config.json
+    _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+
+
+# ---- τ on held-out prompts ---------------------------------------------------------------------
+
+
+def heldout_tau(target, drafter, prompts: list[list[int]], *, tokenizer=None,
+                max_tokens: int = 64) -> float:
+    """Tokens per target pass over all held-out prompts, by the real loop (greedy, full blocks).
+
+    With a tokenizer this is `mlxspec.stream_generate` (stops at eos); without one the engine's
+    `speculative_tokens` with an `MLXTarget`, the loop stream_generate wraps.
+    """
+    generated = passes = 0
+    for ids in prompts:
+        if tokenizer is not None:
+            from ..generate import stream_generate
+
+            last = None
+            for last in stream_generate(target, tokenizer, ids, max_tokens, drafter=drafter,
+                                        adaptive=False):
+                pass
+            generated += last.tau * last.target_passes
+            passes += last.target_passes
+        else:
+            from ..engine import SpecStats, speculative_tokens
+            from ..mlx_backend import MLXTarget
+            from ..sampling import SamplingConfig
+
+            stats = SpecStats()
+            for _ in speculative_tokens(
+                MLXTarget(target, capture_layers=drafter.capture_layers, speculative=True),
+                drafter, ids, sampling=SamplingConfig(), max_tokens=max_tokens,
+                num_draft=drafter.block_size - 1, stats=stats,
+            ):
+                pass
+            generated += stats.generated
+            passes += stats.target_passes
+    return generated / passes if passes else 0.0
+
+
+# ---- The trainer ------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    step: int
+    losses: list = field(default_factory=list)  # (step, loss) of this call's steps
+    taus: list = field(default_factory=list)  # (step, τ)
+    block_tokens_per_s: float = 0.0
+
+
+def _save_tree(path: Path, tree, tmp_dir: Path) -> None:
+    flat = dict(tree_flatten(tree))
+    _atomic_save_safetensors(path, flat or {"__empty__": mx.zeros(1)}, tmp_dir=tmp_dir)
+
+
+def _load_tree(path: Path):
+    flat = mx.load(str(path))
+    flat.pop("__empty__", None)
+    return tree_unflatten(list(flat.items()))
+
+
+def _schedule(lr: float, warmup: int, steps: int, min_ratio: float = 0.1):
+    warmup = max(min(warmup, steps - 1), 0)
+    decay = optim.cosine_decay(lr, max(steps - warmup, 1), lr * min_ratio)
+    if warmup == 0:
+        return decay
+    return optim.join_schedules([optim.linear_schedule(lr * 0.01, lr, warmup), decay], [warmup])
+
+
+def _resolve_target(target, tokenizer):
+    if target is None or isinstance(target, (str, os.PathLike)):
+        from ..loading import load
+
+        model, tok = load(target)
+        return model, tokenizer if tokenizer is not None else tok
+    return target, tokenizer
+
+
+def train_dflash(
+    target,
+    prompts,
+    out,
+    *,
+    tokenizer=None,
+    layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids=None,
+    steps: int = 1000,
+    resume: bool = False,
+    lr: float = 6e-4,
+    warmup: int | None = None,
+    weight_decay: float = 0.01,
+    grad_clip: float = 1.0,
+    anchors: int = 64,
+    batch_size: int = 1,
+    gamma: float | None = None,
+    max_seq_len: int = 1024,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 512,
+    num_prompts: int | None = None,
+    heldout: int = 8,
+    eval_every: int = 200,
+    eval_max_tokens: int = 64,
+    save_every: int = 50,
+    responses: str = "target",
+    data_dir=None,
+    init: str = "target",
+    normalize_features: bool = True,
+    mask_token_id: int | None = None,
+    drafter_overrides: dict | None = None,
+    seed: int = 0,
+    stop_after: int | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train (or with `resume`, continue training) a DFlash drafter for `target`; the checkpoint
+    in `out` (config.json + model.safetensors) is loadable by `load_dflash_drafter`.
+
+    target: an mlx-lm model (with `tokenizer` for text prompts), or a model path / repo id /
+    None (the default SmolLM2) to load. prompts: "sharegpt", a .jsonl/.txt path, or a list of
+    strings or token-id lists (token ids need no tokenizer). Responses ("target": the target's
+    greedy answers; "conversation": the data's real answers) are cached in `data_dir` (default
+    out/data) and reused or continued by later calls. `steps` is the schedule's length;
+    `stop_after` stops early at that step (as an interruption would, after saving).
+    """
+    out = Path(out).expanduser()
+    state_dir = out / STATE_DIR
+    target, tokenizer = _resolve_target(target, tokenizer)
+    if init not in ("target", "random"):
+        raise ValueError(f"init must be 'target' or 'random', got {init!r}")
+    if resume and not (state_dir / "state.json").is_file():
+        raise FileNotFoundError(f"{out} has no training state to resume ({STATE_DIR}/state.json)")
+    if not resume and (state_dir / "state.json").is_file():
+        raise FileExistsError(f"{out} already holds a training run; pass resume=True to continue it")
+
+    # -- data: held-out prompts for τ, training sequences in the store
+    examples = load_examples(prompts, num_prompts)
+    train_examples, heldout_examples = split_heldout(examples, heldout, seed)
+    if not train_examples:
+        raise ValueError("no training prompts")
+    _, vocab, num_layers = target_sizes(target)
+    meta = {
+        "target": [target_sizes(target), float(target_embedding(target).weight[:8].sum().item())],
+        "source": prompts if isinstance(prompts, str) else fingerprint(examples),
+        "responses": responses, "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens, "heldout": heldout, "seed": seed,
+    }
+    store = SequenceStore(data_dir or out / "data", meta=meta)
+    build_sequences(store, target, tokenizer, train_examples, responses=responses,
+                    max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                    progress=progress)
+    train_ids = [i for i in range(len(store))
+                 if min(len(store[i][0]), max_seq_len) - max(store[i][1] - 1, 0) >= 2]
+    if not train_ids:
+        raise ValueError("no training sequence has a response to learn from")
+    heldout_prompts = [encode_prompt(tokenizer, p)[-max_prompt_tokens:] for p, _ in heldout_examples]
+
+    # -- model, optimizer, state
+    if resume:
+        config = json.loads((out / "config.json").read_text())
+    else:
+        mask_id = mask_token_id if mask_token_id is not None else default_mask_token_id(tokenizer, vocab)
+        config = drafter_config_for(target, layers=layers, block_size=block_size,
+                                    target_layer_ids=target_layer_ids, mask_token_id=mask_id,
+                                    overrides=drafter_overrides)
+    args = DFlashConfig.from_dict(config)
+    ids = args.target_layer_ids
+    bs = args.block_size
+    gamma = gamma if gamma is not None else default_gamma(bs)
+    warmup = warmup if warmup is not None else min(100, steps // 10)
+    model = DFlashModel(args)
+    optimizer = optim.AdamW(_schedule(lr, warmup, steps), weight_decay=weight_decay)
+    embed, head = target_embedding(target), target_head(target)
+
+    if resume:
+        state = json.loads((state_dir / "state.json").read_text())
+        model.load_weights(list(mx.load(str(state_dir / "params.safetensors")).items()))
+        optimizer.init(model.trainable_parameters())
+        optimizer.state = _load_tree(state_dir / "optimizer.safetensors")
+        inv_scale = mx.load(str(state_dir / "feature_scale.safetensors")).get("inv_scale")
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+        step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
+    else:
+        mx.random.seed(seed)
+        model = DFlashModel(args)
+        if init == "target":
+            init_from_target(model, target)
+        inv_scale = None
+        if normalize_features:
+            sq, count = 0.0, 0
+            for i in train_ids[:16]:
+                f = target_features(target, store[i][0][:max_seq_len], ids)
+                sq = sq + (f.astype(mx.float32) ** 2).sum(axis=0)
+                count += f.shape[0]
+            inv_scale = 1.0 / mx.maximum(mx.sqrt(sq / count), 1e-3)
+            mx.eval(inv_scale)
+        rng = np.random.default_rng(seed)
+        step, epoch, cursor = 0, 0, 0
+        state = {"log": []}
+    mx.eval(model.parameters())
+
+    def save():
+        state_dir.mkdir(parents=True, exist_ok=True)
+        write_checkpoint(out, config, model, inv_scale)
+        _save_tree(state_dir / "params.safetensors", model.parameters(), state_dir)
+        _save_tree(state_dir / "optimizer.safetensors", optimizer.state, state_dir)
+        _atomic_save_safetensors(state_dir / "feature_scale.safetensors",
+                                 {"inv_scale": inv_scale} if inv_scale is not None else
+                                 {"__none__": mx.zeros(1)})
+        _atomic_write_text(state_dir / "state.json", json.dumps({
+            "step": step, "epoch": epoch, "cursor": cursor, "rng": rng.bit_generator.state,
+            "steps": steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
+            "gamma": gamma, "lr": lr, "log": state["log"][-1000:],
+        }, indent=1))
+
+    def next_sequence():
+        nonlocal epoch, cursor
+        order = np.random.default_rng([seed, epoch]).permutation(len(train_ids))
+        i = train_ids[int(order[cursor])]
+        cursor += 1
+        if cursor == len(train_ids):
+            epoch, cursor = epoch + 1, 0
+        return store[i]
+
+    def make_batch():
+        batch, block_count = [], 0
+        for _ in range(batch_size):
+            tokens, prompt_len = next_sequence()
+            tokens = tokens[:max_seq_len]
+            lo, hi = max(prompt_len - 1, 0), len(tokens) - 1  # anchors in [lo, hi)
+            n = min(anchors, hi - lo)
+            chosen = np.sort(rng.choice(np.arange(lo, hi), size=n, replace=False))
+            feats = target_features(target, tokens, ids)
+            if inv_scale is not None:
+                feats = feats * inv_scale
+            batch.append((feats, mx.array(tokens, dtype=mx.int32), mx.array(chosen, dtype=mx.int32)))
+            block_count += n * bs
+        return batch, block_count
+
+    def loss_fn(batch):
+        total = weight = correct = 0
+        for feats, tokens, chosen in batch:
+            t, w, c = block_loss(model, feats, tokens, chosen, embed_tokens=embed, lm_head=head,
+                                 gamma=gamma)
+            total, weight, correct = total + t, weight + w, correct + c
+        return total / weight, correct
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+
+    def train_step(batch):
+        (loss, correct), grads = grad_fn(batch)
+        if grad_clip:
+            grads, _ = optim.clip_grad_norm(grads, grad_clip)
+        optimizer.update(model, grads)
+        mx.eval(loss, correct, model.parameters(), optimizer.state)
+        return loss.item(), correct.item()
+
+    result = TrainResult(out=out, step=step)
+    last_tau = next((e["tau"] for e in reversed(state["log"]) if "tau" in e), None)
+    end = min(steps, stop_after) if stop_after is not None else steps
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, initial=step, desc="train dflash", unit="step")
+    timed_tokens, timed_seconds = 0, 0.0
+    try:
+        if not resume:
+            save()
+        while step < end:
+            t0 = time.perf_counter()
+            batch, n_tokens = make_batch()
+            loss, correct = train_step(batch)
+            seconds = time.perf_counter() - t0
+            step += 1
+            timed_tokens += n_tokens
+            timed_seconds += seconds
+            entry = {"step": step, "loss": loss, "block_tokens_per_s": n_tokens / seconds,
+                     "slot1_acc": correct / max(n_tokens // bs, 1)}
+            result.losses.append((step, loss))
+            if eval_every and heldout_prompts and (step % eval_every == 0 or step == end):
+                drafter = export_drafter(model, inv_scale, target)
+                last_tau = heldout_tau(target, drafter, heldout_prompts, tokenizer=tokenizer,
+                                       max_tokens=eval_max_tokens)
+                entry["tau"] = last_tau
+                result.taus.append((step, last_tau))
+            state["log"].append(entry)
+            if bar:
+                postfix = {"loss": f"{loss:.3f}", "tok/s": f"{n_tokens / seconds:.0f}"}
+                if last_tau is not None:
+                    postfix["tau"] = f"{last_tau:.2f}"
+                bar.set_postfix(postfix)
+                bar.update(1)
+            if step % save_every == 0 or step == end:
+                save()
+    finally:
+        if bar:
+            bar.close()
+    result.step = step
+    result.block_tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+    return result

@@ -1,0 +1,480 @@
+"""The real `mlxspec` command line on the default model: generate, chat, convert, and clean errors.
+
+Most calls go through click's CliRunner (in-process, one model load each); a few run the installed
+console script as a subprocess, to prove the entry point works and to deliver a real SIGINT.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import mlxspec
+from mlxspec.cli.main import build_prompt, main
+from mlxspec.loading import default_gguf_path
+
+slow = pytest.mark.slow  # loads the real model; the other tests fail before any model is loaded
+
+QUESTION = "Repeat this sentence twice: The quick brown fox jumps over the lazy dog."
+N = "16"  # --max-tokens for generate
+CHAT_N = "12"  # --max-tokens for chat turns
+SCRIPT = Path(sys.executable).parent / "mlxspec"
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def ok(result):
+    """The call succeeded; show its output and traceback when it did not."""
+    if result.exit_code != 0:
+        import traceback
+
+        tb = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info else ""
+        pytest.fail(f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n"
+                    f"{result.stderr}\n{tb}")
+    return result
+
+
+def assert_clean_error(result, *needles):
+    """Non-zero exit, one 'Error: ...' line as the last thing printed, no traceback."""
+    assert result.exit_code not in (0, None), result.output
+    assert isinstance(result.exception, SystemExit), (
+        f"uncaught {type(result.exception).__name__}: {result.exception}"
+    )
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("Error: "), f"no final error line:\n{result.stderr}"
+    assert sum(line.startswith("Error:") for line in lines) == 1, result.stderr
+    for needle in needles:
+        assert needle.lower() in lines[-1].lower(), f"{needle!r} not in {lines[-1]!r}"
+    return lines[-1]
+
+
+def prompt_tokens(stderr: str) -> int:
+    return int(re.search(r"^Prompt: (\d+) tokens", stderr, re.M).group(1))
+
+
+def summaries(stderr: str) -> list[str]:
+    return re.findall(r"^\[\d+ tokens, .*\]$", stderr, re.M)
+
+
+def copy_tokenizer(src: Path, dst: Path):
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, dst / f.name)
+
+
+def tiny_llama(out: Path, tokenizer_src: Path, vocab_size: int) -> Path:
+    """A 1-layer random llama with `vocab_size` outputs and the given tokenizer files."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                  num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5,
+                  vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=8192)
+    out.mkdir(parents=True)
+    model = llama.Model(llama.ModelArgs(**config))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(tokenizer_src, out)
+    return out
+
+
+# ----------------------------------------------------------------------------------- generate
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """`generate` without options: the greedy reference output of the CLI."""
+    return ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N))
+
+
+@pytest.fixture(scope="module")
+def plain_verbose():
+    return ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--verbose"))
+
+
+@slow
+def test_generate_prints_text(plain):
+    assert plain.stdout.strip(), "no text generated"
+    assert plain.stdout.endswith("\n")
+    assert "BLAS:" not in plain.stderr and "Generation:" not in plain.stderr
+
+
+@slow
+def test_generate_verbose_prints_stats(plain, plain_verbose):
+    assert plain_verbose.stdout == plain.stdout
+    err = plain_verbose.stderr
+    for line in ("BLAS: ", "Prompt: ", "Generation: ", "Peak memory: "):
+        assert re.search(f"^{line}", err, re.M), f"missing {line!r} in:\n{err}"
+    assert re.search(r"^Generation: (\d+) tokens", err, re.M).group(1) != "0"
+    assert "Drafter:" not in err  # no speculative stats without a drafter
+
+
+@slow
+def test_generate_lookup_same_text_with_stats(plain):
+    r = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter", "lookup",
+                  "--verbose"))
+    assert r.stdout == plain.stdout  # greedy: lossless
+    assert re.search(r"^Drafter: lookup \(up to \d+ drafts per step\)$", r.stderr, re.M)
+    m = re.search(r"^Target passes: (\d+), drafted: (\d+), accepted: (\d+) \([\d.]+%\), "
+                  r"tau: ([\d.]+) tokens per pass$", r.stderr, re.M)
+    assert m, r.stderr
+    passes, drafted, accepted, tau = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+    assert 0 < accepted <= drafted, "the repeat prompt should get lookup drafts accepted"
+    assert tau == pytest.approx((accepted + passes) / passes, abs=0.01)
+    assert re.search(r"^Acceptance per position: [\d. ]+$", r.stderr, re.M)
+
+
+@slow
+def test_generate_draft_model(plain, smollm_first_layers):
+    r = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter", "draft",
+                  "--draft-model", str(smollm_first_layers), "--num-draft", "3", "--verbose"))
+    assert r.stdout == plain.stdout
+    assert re.search(r"^Drafter: draft \(up to 3 drafts per step\)$", r.stderr, re.M), r.stderr
+
+
+@slow
+def test_generate_prompt_from_stdin(plain):
+    r = ok(invoke("generate", "--prompt", "-", "--max-tokens", N, input=QUESTION))
+    assert r.stdout == plain.stdout
+
+
+@slow
+def test_generate_system_and_raw_prompt_change_the_prompt(plain_verbose):
+    base = prompt_tokens(plain_verbose.stderr)
+    system = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--verbose",
+                       "--system", "You are a pirate. Always answer like a pirate would."))
+    raw = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--verbose",
+                    "--no-chat-template"))
+    assert system.stdout.strip() and raw.stdout.strip()
+    # SmolLM2's template inserts its own default system prompt, so compare with the real counts.
+    assert prompt_tokens(system.stderr) != base
+    assert prompt_tokens(raw.stderr) < base  # no chat markup at all
+    assert raw.stdout != plain_verbose.stdout
+
+
+@slow
+def test_build_prompt(smollm):
+    _, tokenizer = smollm
+    user = [{"role": "user", "content": "Hi there"}]
+    system = [{"role": "system", "content": "Be a pirate."}] + user
+    assert build_prompt(tokenizer, user, no_chat_template=True) == "Hi there"
+    templated = build_prompt(tokenizer, system, no_chat_template=False)
+    assert "Be a pirate." in templated and "Hi there" in templated
+    assert templated.endswith("<|im_start|>assistant\n")
+    assert templated != build_prompt(tokenizer, user, no_chat_template=False)
+
+
+@slow
+def test_console_script_generate(plain):
+    """The installed entry point, as a user runs it."""
+    if not SCRIPT.exists():
+        pytest.skip(f"console script not installed at {SCRIPT}")
+    proc = subprocess.run([str(SCRIPT), "generate", "-p", QUESTION, "-n", N], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == plain.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_version_and_help():
+    assert ok(invoke("--version")).stdout.strip().endswith(mlxspec.__version__)
+    out = ok(invoke("--help")).stdout
+    for command in ("generate", "chat", "convert"):
+        assert command in out
+
+
+# ----------------------------------------------------------------------------------- chat
+
+
+def reference_reply(model, tokenizer, history):
+    prompt = build_prompt(tokenizer, history, no_chat_template=False)
+    return mlxspec.generate(model, tokenizer, prompt, int(CHAT_N))
+
+
+@slow
+def test_chat_two_turns_keep_history(smollm):
+    model, tokenizer = smollm
+    first, second = "What is the capital of France?", "And what is its population?"
+    r = ok(invoke("chat", "--max-tokens", CHAT_N, input=f"{first}\n{second}\n/quit\n"))
+    history = [{"role": "user", "content": first}]
+    reply1 = reference_reply(model, tokenizer, history)
+    history += [{"role": "assistant", "content": reply1}, {"role": "user", "content": second}]
+    reply2 = reference_reply(model, tokenizer, history)
+    assert reply1.strip() and reply2.strip()
+    out = r.stdout
+    assert out.startswith("mlxspec chat:")
+    # Each reply follows its prompt marker; the second one was generated with the first in context.
+    assert f">> {reply1}\n>> {reply2}\n>> " in out, out
+    assert len(summaries(r.stderr)) == 2, r.stderr
+
+
+@pytest.fixture
+def prompt_spy(monkeypatch):
+    """Record the prompts the chat REPL sends; optionally interrupt a turn after a few tokens."""
+    real = mlxspec.stream_generate
+    prompts, interrupt_turns = [], set()
+
+    def spy(model, tokenizer, prompt, *args, **kwargs):
+        prompts.append(prompt)
+        turn = len(prompts)
+        for i, response in enumerate(real(model, tokenizer, prompt, *args, **kwargs)):
+            if turn in interrupt_turns and i == 3:
+                raise KeyboardInterrupt
+            yield response
+
+    monkeypatch.setattr(mlxspec, "stream_generate", spy)
+    return prompts, interrupt_turns
+
+
+@slow
+def test_chat_reset_clears_history_and_eof_exits_cleanly(prompt_spy):
+    prompts, _ = prompt_spy
+    # No /quit: the REPL must end at EOF with exit code 0.
+    r = ok(invoke("chat", "--max-tokens", "4", "--system", "Be brief.",
+                  input="Name a colour.\n/reset\nName a fruit.\n"))
+    assert "(history cleared)" in r.stdout
+    assert len(prompts) == 2 and len(summaries(r.stderr)) == 2
+    assert "Name a colour." in prompts[0]
+    assert "Name a colour." not in prompts[1] and "Name a fruit." in prompts[1]
+    assert prompts[1].count("Be brief.") == 1  # the system prompt survives /reset
+    assert r.stdout.rstrip().endswith(">>")
+
+
+@slow
+def test_chat_interrupt_keeps_partial_reply_in_history(prompt_spy):
+    prompts, interrupt_turns = prompt_spy
+    interrupt_turns.add(1)
+    r = ok(invoke("chat", "--max-tokens", "64", input="Tell me a long story.\nGo on.\n/quit\n"))
+    assert "(interrupted)" in r.stdout
+    assert len(prompts) == 2
+    partial = r.stdout.split(">> ", 2)[1].split("\n(interrupted)")[0]
+    assert partial.strip(), r.stdout
+    # The second turn sees the first question and the interrupted partial answer.
+    assert "Tell me a long story." in prompts[1] and partial in prompts[1]
+    assert prompts[1].index(partial) < prompts[1].index("Go on.")
+
+
+class _Reader(threading.Thread):
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream, self.data, self.lock = stream, b"", threading.Lock()
+
+    def run(self):
+        while chunk := os.read(self.stream.fileno(), 4096):
+            with self.lock:
+                self.data += chunk
+
+    def text(self) -> str:
+        with self.lock:
+            return self.data.decode(errors="replace")
+
+
+def _wait_for(predicate, timeout, what, proc, out, err):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"gave up waiting for {what} (exit {proc.poll()})\nstdout:\n{out.text()}"
+                        f"\nstderr:\n{err.text()}")
+        time.sleep(0.1)
+
+
+@slow
+def test_chat_ctrl_c_in_real_process():
+    """A real SIGINT during a long reply stops it, keeps the REPL alive, and the next turn runs."""
+    if not SCRIPT.exists():
+        pytest.skip(f"console script not installed at {SCRIPT}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [str(SCRIPT), "chat", "--max-tokens", "200", "--no-color"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    out, err = _Reader(proc.stdout), _Reader(proc.stderr)
+    out.start()
+    err.start()
+    try:
+        proc.stdin.write(b"Write a very long and detailed story about a dragon and a knight.\n")
+        proc.stdin.flush()
+
+        def replying():  # the banner, the prompt marker, then some reply text
+            text = out.text()
+            return ">> " in text and len(text.split(">> ", 1)[1].strip()) >= 20
+
+        _wait_for(replying, 240, "the reply to start", proc, out, err)
+        proc.send_signal(signal.SIGINT)
+        _wait_for(lambda: "(interrupted)" in out.text(), 60, "(interrupted)", proc, out, err)
+        proc.stdin.write(b"What is 2+2?\n/quit\n")
+        proc.stdin.flush()
+        proc.stdin.close()
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out.join(5)
+    err.join(5)
+    stdout, stderr = out.text(), err.text()
+    assert rc == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    assert "Traceback" not in stderr
+    after = stdout.split("(interrupted)", 1)[1]
+    # A second prompt marker, a non-empty answer, then the marker /quit was typed at.
+    assert re.search(r">> \S.*\n>> ", after, re.S), stdout
+    assert len(summaries(stderr)) == 2, stderr  # the interrupted turn and the answered one
+
+
+# ----------------------------------------------------------------------------------- convert
+
+
+@slow
+def test_convert_then_generate_then_refuse_overwrite(tmp_path, plain):
+    out = tmp_path / "converted"
+    r = ok(CliRunner().invoke(main, ["convert", str(default_gguf_path()), "--out", str(out)]))
+    assert "Wrote" in r.stdout
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+    g = ok(invoke("generate", "--model", str(out), "--prompt", QUESTION, "--max-tokens", N))
+    assert g.stdout == plain.stdout  # the same GGUF, converted the same way
+    again = CliRunner().invoke(main, ["convert", str(default_gguf_path()), "--out", str(out)])
+    assert_clean_error(again, "already exists", "--overwrite")
+    assert (out / "config.json").is_file()  # the refused call left the old output alone
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+def gen(*args):
+    return invoke("generate", "--prompt", QUESTION, "--max-tokens", "8", *args)
+
+
+def test_error_unknown_model_path():
+    assert_clean_error(gen("--model", "/nonexistent/dir"), "/nonexistent/dir")
+
+
+def test_error_not_a_model_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    assert_clean_error(gen("--model", str(tmp_path / "notes.txt")), "neither a model directory")
+
+
+def test_error_directory_without_config(tmp_path):
+    assert_clean_error(gen("--model", str(tmp_path)), "config.json")
+
+
+def test_error_unsupported_architecture(tmp_path):
+    import mlx.core as mx
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "notamodel"}))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"w": mx.zeros((4,))})
+    assert_clean_error(gen("--model", str(tmp_path)), "unsupported architecture", "notamodel")
+
+
+def test_error_pickle_only_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    assert_clean_error(gen("--model", str(tmp_path)), "safetensors", "pytorch_model.bin")
+
+
+@slow
+@pytest.mark.parametrize("keep_bytes", [100, 1 << 20], ids=["header-cut", "data-cut"])
+def test_error_truncated_safetensors(tmp_path, smollm_first_layers, keep_bytes):
+    shutil.copy(smollm_first_layers / "config.json", tmp_path / "config.json")
+    copy_tokenizer(smollm_first_layers, tmp_path)
+    with open(smollm_first_layers / "model.safetensors", "rb") as f:
+        (tmp_path / "model.safetensors").write_bytes(f.read(keep_bytes))
+    assert_clean_error(gen("--model", str(tmp_path)), "corrupted safetensors")
+
+
+def _write_safetensors_header(path: Path, header, data: bytes = b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def test_error_safetensors_header_not_tensor_entries(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _write_safetensors_header(tmp_path / "model.safetensors", {"model.norm.weight": 5})
+    assert_clean_error(gen("--model", str(tmp_path)), "safetensors")
+
+
+def test_error_safetensors_shape_disagrees_with_offsets(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    header = {"model.norm.weight": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 8]}}
+    _write_safetensors_header(tmp_path / "model.safetensors", header, b"\0" * 8)
+    assert_clean_error(gen("--model", str(tmp_path)), "safetensors")
+
+
+def test_error_empty_prompt():
+    r = invoke("generate", "--prompt", "  ", "--max-tokens", "8")
+    assert_clean_error(r, "--prompt", "empty")
+
+
+def test_error_empty_prompt_from_stdin():
+    assert_clean_error(invoke("generate", "--prompt", "-", input="\n\n"), "empty")
+
+
+@slow
+def test_error_max_tokens_beyond_context_window():
+    assert_clean_error(gen("--max-tokens", "10000"), "context window", "8192")
+
+
+@pytest.mark.parametrize("option", ["--max-tokens", "--num-draft"])
+def test_error_non_positive_counts(option):
+    assert_clean_error(gen(option, "0"), option, ">= 1")
+
+
+def test_error_unknown_drafter():
+    assert_clean_error(gen("--drafter", "bogus"), "--drafter", "bogus")
+
+
+def test_error_draft_without_model():
+    assert_clean_error(gen("--drafter", "draft"), "--draft-model")
+
+
+@slow
+def test_error_draft_model_vocab_mismatch(tmp_path, smollm_dir):
+    draft = tiny_llama(tmp_path / "tiny", smollm_dir, vocab_size=1000)
+    r = gen("--drafter", "draft", "--draft-model", str(draft))
+    assert_clean_error(r, "vocab size mismatch", "49152", "1000")
+
+
+@slow
+def test_error_draft_model_tokenizer_mismatch(tmp_path, smollm_dir):
+    """Same vocab size, but two token ids swapped: the ids would mean different strings."""
+    draft = tiny_llama(tmp_path / "tiny", smollm_dir, vocab_size=49152)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (next(t for t, i in vocab.items() if i == n) for n in (1000, 1001))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    r = gen("--drafter", "draft", "--draft-model", str(draft))
+    assert_clean_error(r, "tokenizer differs")
+
+
+@slow
+def test_error_missing_draft_model_path():
+    r = gen("--drafter", "draft", "--draft-model", "/nonexistent/draft")
+    assert_clean_error(r, "/nonexistent/draft")
+
+
+def test_error_in_real_process_has_no_traceback():
+    if not SCRIPT.exists():
+        pytest.skip(f"console script not installed at {SCRIPT}")
+    proc = subprocess.run([str(SCRIPT), "generate", "-p", "hi", "--model", "/nonexistent/dir"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "Error: no such model directory or file: /nonexistent/dir"
+    ]

@@ -1,0 +1,425 @@
+"""The torch backend against the MLX one: same loop, same tokens, same stats, same distribution.
+
+Both backends run float32 here (on CUDA too: bf16 would move logits by ~0.1 and make greedy
+parity a matter of luck), so their logits differ only by summation order. Set
+MLXSPEC_TORCH_DEVICE=cuda to run the torch side on a GPU (scripts/gpu_check.sh does); the MLX side
+stays on its own device.
+
+Tolerances (measured on the 2-core CPU machine, torch 2.13 + transformers 5.24 vs MLX 0.32 with
+OpenBLAS; see the printed values with -s):
+- target logits, SmolLM2-135M, 150-token prompt: max |diff| ~3e-5 (logits up to ~40); asserted < 1e-3.
+- DFlash block logits, same checkpoint and context: max |diff| ~3e-6; asserted < 1e-3 (CPU) and
+  relative to the logits' scale. Target features: relative max |diff| < 1e-4.
+- q (processed distribution): < 1e-6 absolute, identical support.
+Greedy tokens and stats (target passes, drafted, accepted, tau, per-position counts) must be
+identical: fixed K (the adaptive policy times steps, so its K depends on the machine).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+torch = pytest.importorskip("torch", reason="the torch backend needs torch (pip install .[reference])")
+transformers = pytest.importorskip("transformers", reason="the torch backend needs transformers")
+
+import mlxspec  # noqa: E402
+from mlxspec import acceptance as mlx_acceptance  # noqa: E402
+from mlxspec import sampling as mlx_sampling  # noqa: E402
+from mlxspec.drafters import DraftModelDrafter  # noqa: E402
+from mlxspec.drafters.dflash import load_dflash_drafter as load_mlx_dflash  # noqa: E402
+from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens  # noqa: E402
+from mlxspec.generate import encode_prompt  # noqa: E402
+from mlxspec.mlx_backend import MLXTarget  # noqa: E402
+from mlxspec.prompts import humaneval_prompts, mtbench_prompts  # noqa: E402
+from mlxspec.sampling import SamplingConfig  # noqa: E402
+from mlxspec.torch_backend import TorchDraftModelDrafter, TorchPromptCache, TorchTarget  # noqa: E402
+from mlxspec.torch_backend import acceptance as torch_acceptance  # noqa: E402
+from mlxspec.torch_backend import load_causal_lm  # noqa: E402
+from mlxspec.torch_backend import sampling as torch_sampling  # noqa: E402
+
+DEVICE = os.environ.get("MLXSPEC_TORCH_DEVICE", "cpu")
+LOGIT_ATOL = 1e-3
+MAX_TOKENS = 12  # ~24 was the goal; 12 keeps this module near 4 CPU-minutes here
+N_EACH = 5  # real prompts from each set: 10 in all
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """On a shared 2-core machine two torch threads spin against other work (measured 6x slower
+    than one); the GPU run does not care."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def torch_smollm(smollm_dir):
+    return mlxspec.load(smollm_dir, backend="torch", device=DEVICE, torch_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm):
+    _, tokenizer = smollm
+    texts = humaneval_prompts(limit=N_EACH) + mtbench_prompts(limit=N_EACH)
+    return [
+        encode_prompt(
+            tokenizer,
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+            ),
+        )
+        for t in texts
+    ]
+
+
+# ---- MLX-free import -------------------------------------------------------------------------
+
+MLX_ONLY = r"""
+import sys
+sys.modules["torch"] = None  # a machine without torch: any import of it raises ImportError
+import mlxspec
+model, tokenizer = mlxspec.load(sys.argv[1])
+for drafter in (None, "lookup"):
+    text = mlxspec.generate(model, tokenizer, "Hello, Hello, Hello,", max_tokens=6, drafter=drafter)
+    assert text, "no output"
+print("LOADED", sorted(m for m in sys.modules
+                       if m.startswith(("torch.", "mlxspec.torch")) or m == "mlxspec.torch_backend"))
+"""
+
+
+def test_mlx_path_never_imports_torch(smollm_dir):
+    """`import mlxspec` and MLX generation work where torch cannot be imported at all.
+
+    (With torch installed, mlx-lm's tokenizer import pulls it in through transformers whatever we
+    do, so "torch not in sys.modules" can only be asserted with torch made unimportable.)"""
+    out = subprocess.run([sys.executable, "-c", MLX_ONLY, str(smollm_dir)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LOADED []" in out.stdout, out.stdout
+
+
+# ---- Tensor math: q and acceptance -------------------------------------------------------------
+
+CONFIGS = [
+    SamplingConfig(temp=0.7),
+    SamplingConfig(temp=1.3, top_p=0.9),
+    SamplingConfig(temp=0.8, top_k=20),
+    SamplingConfig(temp=1.0, min_p=0.05),
+    SamplingConfig(temp=0.6, top_p=0.8, min_p=0.02, top_k=50),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"T{c.temp}-p{c.top_p}-k{c.top_k}-m{c.min_p}")
+def test_processed_distribution_equals_mlx(config):
+    logits = np.random.default_rng(0).normal(size=(6, 1000)).astype(np.float32) * 3
+    ours = torch_sampling.processed_logprobs(torch.from_numpy(logits).to(DEVICE), config)
+    ours = ours.cpu().numpy()
+    theirs = np.array(mlx_sampling.processed_logprobs(mx.array(logits), config))
+    assert (np.isfinite(ours) == np.isfinite(theirs)).all(), "different truncation"
+    np.testing.assert_allclose(np.exp(ours), np.exp(theirs), atol=1e-6)
+
+
+def test_greedy_acceptance_equals_mlx():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        logits = rng.normal(size=(6, 50)).astype(np.float32)
+        drafts = logits[:-1].argmax(-1)
+        cut = rng.integers(0, 6)
+        drafts[cut:] = (drafts[cut:] + 1) % 50  # a known number of correct drafts
+        a_t, n_t = torch_acceptance.accept_greedy(torch.from_numpy(logits).to(DEVICE),
+                                                  torch.from_numpy(drafts).long().to(DEVICE))
+        a_m, n_m = mlx_acceptance.accept_greedy(mx.array(logits), mx.array(drafts))
+        assert (int(a_t), int(n_t)) == (a_m.item(), n_m.item()) and int(a_t) == cut
+
+
+# ---- The real target: logits, features, DFlash block logits ------------------------------------
+
+
+def test_target_logits_match(smollm, torch_smollm, prompt_ids):
+    model, _ = smollm
+    ids = max(prompt_ids, key=len)
+    theirs = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+    with torch.inference_mode():
+        ours = torch_smollm[0](torch.tensor([ids], device=DEVICE)).logits[0].float().cpu().numpy()
+    diff = np.abs(ours - theirs)
+    print(f"\ntarget logits over {len(ids)} positions: max |diff| {diff.max():.2e}, "
+          f"mean {diff.mean():.2e}, max |logit| {np.abs(theirs).max():.1f}")
+    assert diff.max() < LOGIT_ATOL
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def _features_and_block_logits(mlx_model, torch_model, mlx_drafter, torch_drafter, ids, k):
+    layers = mlx_drafter.capture_layers
+    f_mlx = MLXTarget(mlx_model, capture_layers=layers).prefill(ids)
+    f_torch = TorchTarget(torch_model, capture_layers=layers).prefill(ids)
+    mlx_drafter.begin(ids, f_mlx)
+    torch_drafter.begin(ids, f_torch)
+    b_mlx = np.array(mlx_drafter.block_logits(ids, k).astype(mx.float32))
+    b_torch = torch_drafter.block_logits(ids, k).float().cpu().numpy()
+    return np.array(f_mlx), f_torch.float().cpu().numpy(), b_mlx, b_torch
+
+
+def _check_block_parity(f_mlx, f_torch, b_mlx, b_torch, label):
+    f_rel = np.abs(f_mlx - f_torch).max() / np.abs(f_mlx).max()
+    diff = np.abs(b_mlx - b_torch)
+    print(f"\n{label}: features rel. max |diff| {f_rel:.1e}; block logits max |diff| "
+          f"{diff.max():.2e} (max |logit| {np.abs(b_mlx).max():.1f})")
+    assert f_mlx.shape == f_torch.shape
+    assert f_rel < 1e-4
+    assert diff.max() < LOGIT_ATOL * max(1.0, np.abs(b_mlx).max() / 10)
+    assert (b_mlx.argmax(-1) == b_torch.argmax(-1)).all()
+
+
+def test_dflash_block_logits_match(smollm, torch_smollm, smollm_random_dflash, prompt_ids):
+    model, tokenizer = smollm
+    tmodel, ttokenizer = torch_smollm
+    ours = mlxspec.load_drafter("dflash", smollm_random_dflash, model=tmodel, tokenizer=ttokenizer)
+    theirs = mlxspec.load_drafter("dflash", smollm_random_dflash, model=model, tokenizer=tokenizer)
+    assert type(ours).__module__.startswith("mlxspec.torch_backend")
+    ids = prompt_ids[0]
+    _check_block_parity(*_features_and_block_logits(model, tmodel, theirs, ours, ids, 15),
+                        "SmolLM2 + 1-layer DFlash")
+
+
+# ---- Tiny twins: one set of weights in mlx-lm and in transformers -------------------------------
+
+
+def torch_twin(mlx_model, path):
+    """The same llama as a transformers model: mlx-lm's llama uses HF's weight names."""
+    args = mlx_model.args
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+        rms_norm_eps=args.rms_norm_eps, max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=args.tie_word_embeddings, rope_theta=args.rope_theta,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(mlx_model.parameters())))
+    return load_causal_lm(path, device=torch.device(DEVICE), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    from tiny_models import tiny_llama
+
+    return tiny_llama(vocab=12, hidden=32, layers=4, seed=1, sharpness=3.0)
+
+
+def test_tiny_twin_and_sliding_dflash_match(tiny_target, tmp_path):
+    """A 2-layer drafter with a sliding-window layer, conditioned on the target's last layer
+    (the final-norm path), on a tiny target: block logits agree with the MLX drafter's."""
+    from test_dflash import make_drafter_dir
+
+    twin = torch_twin(tiny_target, tmp_path / "twin")
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    with torch.inference_mode():
+        ours = twin(torch.tensor([ids], device=DEVICE)).logits[0].cpu().numpy()
+    assert np.abs(ours - np.array(tiny_target(mx.array([ids]))[0])).max() < 1e-5
+    path = make_drafter_dir(tmp_path / "dflash", seed=3, target_layer_ids=[1, 3])
+    theirs = load_mlx_dflash(path, model=tiny_target)
+    mine = mlxspec.load_drafter("dflash", path, model=twin, tokenizer=None)
+    assert mine._normed_slots == [1] and theirs.args.layer_types[0] == "sliding_attention"
+    _check_block_parity(*_features_and_block_logits(tiny_target, twin, theirs, mine, ids, 5),
+                        "tiny target + sliding DFlash")
+
+
+# ---- Greedy parity on real prompts --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompt_caches(prompt_ids):
+    """One KV cache per prompt and backend, kept across the drafter kinds: only the first kind
+    prefills (DFlash, which needs the prompt's features, always does). Saves ~1/3 of CI time."""
+    return {"mlx": [mlxspec.PromptCache() for _ in prompt_ids],
+            "torch": [TorchPromptCache() for _ in prompt_ids]}
+
+
+def _run(model, tokenizer, ids, drafter, num_draft, cache):
+    responses = list(mlxspec.stream_generate(model, tokenizer, ids, MAX_TOKENS, drafter=drafter,
+                                             num_draft=num_draft, adaptive=False,
+                                             prompt_cache=cache))
+    last = responses[-1]
+    stats = (last.target_passes, last.drafted, last.accepted, round(last.tau, 9),
+             last.drafted_per_position, last.accepted_per_position)
+    return [r.token for r in responses], stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["none", "lookup", "draft", "dflash"])
+def test_greedy_tokens_and_stats_identical(smollm, torch_smollm, smollm_first_layers,
+                                           smollm_random_dflash, prompt_ids, prompt_caches, kind):
+    path = {"draft": smollm_first_layers, "dflash": smollm_random_dflash}.get(kind)
+    # Fixed K, kept small for CI time (the untrained drafters rarely hit): every step drafts,
+    # so every step exercises verification, acceptance and the rollback of both caches.
+    num_draft = {"draft": 2, "dflash": 2}.get(kind)
+    sides = {}
+    for name, (model, tokenizer) in (("mlx", smollm), ("torch", torch_smollm)):
+        drafter = mlxspec.load_drafter(kind, path, model=model, tokenizer=tokenizer)
+        sides[name] = [_run(model, tokenizer, ids, drafter, num_draft, cache)
+                       for ids, cache in zip(prompt_ids, prompt_caches[name])]
+    total_drafted = total_accepted = 0
+    for i, ((tokens_m, stats_m), (tokens_t, stats_t)) in enumerate(zip(sides["mlx"], sides["torch"])):
+        assert tokens_t == tokens_m, f"prompt {i}: tokens differ"
+        assert stats_t == stats_m, f"prompt {i}: stats differ (passes, drafted, accepted, tau, ...)"
+        total_drafted += stats_m[1]
+        total_accepted += stats_m[2]
+    print(f"\n{kind}: {len(prompt_ids)} prompts identical; drafted {total_drafted}, "
+          f"accepted {total_accepted}")
+    if kind in ("lookup", "draft"):
+        assert total_accepted > 0, "no draft was ever accepted: the comparison proves little"
+
+
+# ---- Sampled decoding follows the target's distribution (chi-squared) --------------------------
+
+
+class FixedDrafter(Drafter):
+    def propose(self, tokens, k, sampling):
+        from test_sampling_exactness import VOCAB
+
+        return Draft(tokens=[(tokens[-1] + 1 + i) % VOCAB for i in range(k)])
+
+
+@pytest.fixture(scope="module")
+def sampling_twins(tmp_path_factory):
+    """test_sampling_exactness's tiny target and draft model, as transformers twins."""
+    from test_sampling_exactness import VOCAB
+    from tiny_models import tiny_llama
+
+    root = tmp_path_factory.mktemp("twins")
+    target = tiny_llama(vocab=VOCAB, seed=11, sharpness=2.5)
+    draft = tiny_llama(vocab=VOCAB, hidden=16, layers=1, seed=12, sharpness=2.5)
+    return target, torch_twin(target, root / "target"), torch_twin(draft, root / "draft")
+
+
+def _torch_samples(model, drafter, sampling, samples, *, seed=1234, num_draft=2, length=None):
+    from test_sampling_exactness import LENGTH, PROMPT
+
+    torch.manual_seed(seed)
+    counts, stats = Counter(), SpecStats()
+    for _ in range(samples):
+        target = TorchTarget(model, speculative=True)
+        out = speculative_tokens(target, drafter, PROMPT, sampling=sampling,
+                                 max_tokens=length or LENGTH, num_draft=num_draft, stats=stats)
+        counts[tuple(t for t, _ in out)] += 1
+    return counts, stats
+
+
+@pytest.mark.parametrize("kind", ["fixed_one_hot", "draft_model"])
+def test_sampled_output_follows_target_distribution(sampling_twins, kind):
+    from test_sampling_exactness import SAMPLES, SAMPLING, chi_squared_pvalue, exact_distribution
+
+    mlx_target, target, draft = sampling_twins
+    exact = exact_distribution(mlx_target, SAMPLING)  # the MLX model's; same weights
+    drafter = FixedDrafter() if kind == "fixed_one_hot" else TorchDraftModelDrafter(draft)
+    counts, stats = _torch_samples(target, drafter, SAMPLING, SAMPLES)
+    assert 0 < stats.accepted < stats.drafted  # both acceptance and rejection happened
+    pvalue = chi_squared_pvalue(counts, exact)
+    assert pvalue > 0.001, f"{kind}: p = {pvalue:.2g}"
+
+
+def test_seeded_torch_runs_are_reproducible(sampling_twins):
+    from test_sampling_exactness import SAMPLING
+
+    _, target, draft = sampling_twins
+    once = _torch_samples(target, TorchDraftModelDrafter(draft), SAMPLING, 3, seed=7, length=12)
+    again = _torch_samples(target, TorchDraftModelDrafter(draft), SAMPLING, 3, seed=7, length=12)
+    assert once[0] == again[0]
+
+
+# ---- Chat cache, dispatch and bad input ---------------------------------------------------------
+
+
+def test_torch_prompt_cache_across_turns(torch_smollm):
+    model, tokenizer = torch_smollm
+    cache, history = TorchPromptCache(), []
+    for question in ["Name two colours.", "Which is warmer?"]:
+        history.append({"role": "user", "content": question})
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        held = len(cache.tokens)
+        reused = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 8,
+                                                          drafter="lookup", prompt_cache=cache)]
+        fresh = list(mlxspec.stream_generate(model, tokenizer, prompt, 8))
+        assert reused == [r.token for r in fresh]
+        if len(history) > 1:
+            assert held > 20  # the first turn was not prefilled again
+        assert cache.cache.get_seq_length() == len(cache.tokens)
+        history.append({"role": "assistant", "content": "".join(r.text for r in fresh)})
+
+
+def test_bad_backend_input(smollm, torch_smollm, smollm_first_layers):
+    model, tokenizer = smollm
+    tmodel, ttokenizer = torch_smollm
+    with pytest.raises(ValueError, match="unknown backend 'jax'; choose from mlx, torch"):
+        mlxspec.load(backend="jax")
+    with pytest.raises(ValueError, match="torch backend only"):
+        mlxspec.load(device="cpu")
+    with pytest.raises(ValueError, match="backend='torch' but the model is a mlx model"):
+        next(mlxspec.stream_generate(model, tokenizer, "Hi", 2, backend="torch"))
+    with pytest.raises(ValueError, match="unknown backend"):
+        next(mlxspec.stream_generate(model, tokenizer, "Hi", 2, backend="jax"))
+    with pytest.raises(TypeError, match="TorchPromptCache"):
+        next(mlxspec.stream_generate(tmodel, ttokenizer, "Hi", 2, prompt_cache=mlxspec.PromptCache()))
+    # A drafter built for one backend, handed a target of the other.
+    torch_draft = mlxspec.load_drafter("draft", smollm_first_layers, model=tmodel, tokenizer=ttokenizer)
+    with pytest.raises(ValueError, match="built for the torch backend"):
+        next(mlxspec.stream_generate(model, tokenizer, "Hi", 2, drafter=torch_draft))
+    mlx_draft = DraftModelDrafter(model)
+    with pytest.raises(TypeError, match="another backend"):
+        list(mlxspec.stream_generate(tmodel, ttokenizer, "Hi there", 4, drafter=mlx_draft))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")
+def test_cuda_requested_without_cuda_is_a_clear_error():
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    with pytest.raises(ValueError, match="'cuda' requested but CUDA is not available"):
+        mlxspec.load(backend="torch", device="cuda")
+    result = CliRunner().invoke(main, ["generate", "-p", "Hi", "--backend", "torch", "--device", "cuda"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "Error: device 'cuda' requested but CUDA is not available" in result.stderr
+    result = CliRunner().invoke(main, ["generate", "-p", "Hi", "--device", "cpu"])
+    assert result.exit_code == 2 and "applies to --backend torch only" in result.stderr
+    result = CliRunner().invoke(main, ["generate", "-p", "Hi", "--backend", "jax"])
+    assert result.exit_code == 2 and "'jax' is not one of 'mlx', 'torch'" in result.stderr
+
+
+def test_default_device_and_dtype():
+    from mlxspec.torch_backend import resolve_device, resolve_dtype
+
+    cuda = torch.cuda.is_available()
+    assert resolve_device(None).type == ("cuda" if cuda else "cpu")
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    if cuda:
+        assert resolve_dtype(None, torch.device("cuda")) in (torch.bfloat16, torch.float16)
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="unknown torch device 'tpu'"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_cli_generate_and_bench_with_torch_backend(smollm_dir):
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    result = CliRunner().invoke(main, ["generate", "-m", str(smollm_dir), "-p", "Count to five.",
+                                       "-n", "6", "--drafter", "lookup", "-v",
+                                       "--backend", "torch", "--device", DEVICE])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    assert f"torch: {torch.device(DEVICE)}" in result.stderr and "Drafter: lookup" in result.stderr
+    result = CliRunner().invoke(main, ["bench", "--backend", "torch", "--mlx-lm"])
+    assert result.exit_code == 2 and "mlx-lm runs on MLX only" in result.stderr

@@ -1,0 +1,182 @@
+"""DFlash training on tiny random targets: the training path is the inference path, a trained
+checkpoint loads and decodes losslessly, resuming is exact, and one batch can be overfit."""
+
+import json
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_dflash import drafter_config, random_weights
+from tiny_models import tiny_llama
+
+from mlxspec.drafters.dflash import (
+    DFlashDrafter,
+    load_dflash_drafter,
+    target_embedding,
+    target_final_norm,
+    target_head,
+)
+from mlxspec.engine import Drafter, SpecStats, speculative_tokens
+from mlxspec.mlx_backend import MLXTarget
+from mlxspec.models.dflash import DFlashConfig, DFlashModel
+from mlxspec.sampling import SamplingConfig
+from mlxspec.training.data import SequenceStore, greedy_response, load_examples, split_heldout
+from mlxspec.training.dflash_trainer import (
+    block_loss,
+    drafter_config_for,
+    init_from_target,
+    target_features,
+    train_dflash,
+    training_logits,
+    training_mask,
+)
+from mlxspec.models.dflash import block_mask
+
+VOCAB = 32
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7, 3], [5, 9, 11, 5, 9, 11], [3, 8], [20, 21, 22, 23],
+           [30, 2, 14], [6, 6, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab=VOCAB, hidden=32, layers=4, seed=1, sharpness=3.0)
+
+
+def _train(target, out, **kw):
+    options = dict(layers=1, block_size=4, steps=6, anchors=4, max_new_tokens=12, heldout=1,
+                   eval_every=0, save_every=3, progress=False, seed=0, lr=3e-3, warmup=1)
+    options.update(kw)
+    return train_dflash(target, PROMPTS, out, **options)
+
+
+def _plain_and_spec(target, drafter, prompt, max_tokens=20):
+    outs = []
+    for d in (Drafter(), drafter):
+        t = MLXTarget(target, capture_layers=d.capture_layers, speculative=True)
+        stats = SpecStats()
+        outs.append([tok for tok, _ in speculative_tokens(
+            t, d, prompt, sampling=SamplingConfig(), max_tokens=max_tokens,
+            num_draft=max(d.default_num_draft, 1), stats=stats)])
+    return outs
+
+
+def test_end_to_end_checkpoint_loads_and_decodes_losslessly(target, tmp_path):
+    result = _train(target, tmp_path / "run", steps=3, eval_every=3, eval_max_tokens=8)
+    assert result.step == 3 and len(result.losses) == 3
+    assert result.taus and 1.0 <= result.taus[-1][1] <= 4.0  # measured by the real loop
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert sorted(p.name for p in (tmp_path / "run").glob("*.safetensors")) == ["model.safetensors"]
+    drafter = load_dflash_drafter(tmp_path / "run", model=target)
+    assert drafter.capture_layers == (2,)  # T // 2 for one drafter layer
+    for prompt in ([1, 2, 3], [9, 4, 4, 4, 17]):
+        plain, spec = _plain_and_spec(target, drafter, prompt)
+        assert spec == plain
+
+
+def test_training_mask_matches_block_mask():
+    """Row by row, the training mask is inference's block_mask over the visible context."""
+    L, bs = 11, 5
+    for causal, window in [(False, None), (True, None), (True, 4), (False, 3)]:
+        mask = np.array(training_mask(mx.array([0, 3, 9]), bs, L, causal=causal, window=window))
+        for n, a in enumerate([0, 3, 9]):
+            assert not mask[n, :, a:L].any()  # nothing at or after the anchor, no other block
+            ref = block_mask(a, a, bs, causal=causal, window=window)
+            ref = np.ones((bs, a + bs), bool) if ref is None else np.array(ref)
+            assert (mask[n, :, :a] == ref[:, :a]).all()
+            assert (mask[n, :, L:] == ref[:, a:]).all()
+
+
+@pytest.mark.parametrize("ids", [[1, 3], [2]])
+def test_training_path_equals_inference_path(target, ids):
+    """Logits of every block from whole-sequence features + mask equal the drafter's in the
+    real loop after committing the tokens up to the anchor (sliding + full layers, last layer)."""
+    config = drafter_config(vocab=VOCAB, target_layers=4, target_layer_ids=ids)
+    model = DFlashModel(DFlashConfig.from_dict(config))
+    model.load_weights(list(random_weights(config, seed=4).items()))
+    embed, head = target_embedding(target), target_head(target)
+    tokens = [3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
+    anchors = [0, 1, 5, 8, 12]
+    feats = target_features(target, tokens, ids)
+    train = training_logits(model, feats, mx.array(tokens), mx.array(anchors),
+                            embed_tokens=embed, lm_head=head)
+    drafter = DFlashDrafter(model, embed_tokens=embed, lm_head=head,
+                            final_norm=target_final_norm(target), target_layers=4)
+    for n, a in enumerate(anchors):
+        committed = tokens[: a + 1]
+        drafter.begin(committed, MLXTarget(target, capture_layers=ids).prefill(committed))
+        infer = drafter.block_logits(committed, model.args.block_size - 1)
+        assert mx.allclose(train[n], infer, atol=1e-4, rtol=1e-4).item(), (ids, a)
+
+
+def test_resume_equals_uninterrupted_run(target, tmp_path):
+    _train(target, tmp_path / "whole")
+    first = _train(target, tmp_path / "split", stop_after=3)
+    assert first.step == 3
+    with pytest.raises(FileExistsError):
+        _train(target, tmp_path / "split")
+    second = _train(target, tmp_path / "split", resume=True)
+    assert second.step == 6 and [s for s, _ in second.losses] == [4, 5, 6]
+    for name in ("model.safetensors", "train_state/params.safetensors",
+                 "train_state/optimizer.safetensors"):
+        a, b = mx.load(str(tmp_path / "whole" / name)), mx.load(str(tmp_path / "split" / name))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert mx.array_equal(a[k], b[k]).item(), (name, k)
+    log = json.loads((tmp_path / "split" / "train_state" / "state.json").read_text())["log"]
+    whole = json.loads((tmp_path / "whole" / "train_state" / "state.json").read_text())["log"]
+    assert [e["loss"] for e in log] == [e["loss"] for e in whole]
+
+
+def test_overfit_one_batch(target):
+    prompt = [1, 2, 3, 4, 5]
+    tokens = prompt + greedy_response(target, prompt, 24, set())
+    config = drafter_config_for(target, layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    mx.random.seed(0)
+    model = DFlashModel(DFlashConfig.from_dict(config))
+    init_from_target(model, target)
+    ids = model.args.target_layer_ids
+    feats = target_features(target, tokens, ids)
+    feats = feats / mx.sqrt((feats**2).mean(axis=0))
+    anchors = mx.arange(len(prompt) - 1, len(tokens) - 1)
+    embed, head = target_embedding(target), target_head(target)
+    tokens = mx.array(tokens)
+
+    def loss_fn():
+        total, weight, _ = block_loss(model, feats, tokens, anchors, embed_tokens=embed,
+                                      lm_head=head, gamma=4.0)
+        return total / weight
+
+    import mlx.nn as nn
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    opt = optim.AdamW(3e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(50):
+        loss, grads = grad_fn()
+        opt.update(model, grads)
+        mx.eval(loss, model.parameters(), opt.state)
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0], losses[::10]
+
+
+def test_sequence_store_resumes_and_reloads(target, tmp_path):
+    examples = load_examples(PROMPTS)
+    store = SequenceStore(tmp_path / "s", meta={"x": 1}, shard_size=3)
+    for p, _ in examples[:4]:
+        store.append(p + [1, 2], len(p))
+    store.flush()
+    again = SequenceStore(tmp_path / "s", meta={"x": 1})
+    assert len(again) == 4 and again[3] == (PROMPTS[3] + [1, 2], len(PROMPTS[3]))
+    for p, _ in examples[4:]:
+        again.append(p, len(p))
+    again.flush()
+    third = SequenceStore(tmp_path / "s", meta={"x": 1})
+    assert [third[i][0][: len(p)] for i, p in enumerate(PROMPTS)] == PROMPTS
+    assert len(third.shards) == 3
+    with pytest.raises(ValueError, match="different settings"):
+        SequenceStore(tmp_path / "s", meta={"x": 2})
+    train, held = split_heldout(list(range(10)), 2, seed=0)
+    assert len(train) == 8 and len(held) == 2 and not set(train) & set(held)
