@@ -22,7 +22,7 @@ MLXSPEC_BLAS=reference $mlxspec bench --drafters none,lookup --suite copy --temp
 if [[ "${1:-}" == "qwen" ]]; then
   # A real target / draft pair with one tokenizer: ours vs mlx-lm's --draft-model.
   $mlxspec bench --model "$QWEN15" --draft-model "$QWEN05" --drafters none,draft --suite humaneval \
-    --temp 0,1 --limit 3 --max-tokens 64 --mlx-lm-num-draft 4 \
+    --temp 0,1 --limit 2 --max-tokens 48 --mlx-lm-num-draft 4 \
     --out $out/qwen-coder-pair-cpu-openblas.json --markdown $out/qwen-coder-pair-cpu-openblas.md \
     --plot $out/qwen-coder-pair-cpu-openblas.png
 fi
