@@ -20,7 +20,7 @@ from ..drafters.dflash import check_against_target, check_block_size
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..models.dflash import DFlashConfig, read_config
 from ..sampling import SamplingConfig
-from .target import decoder_layers, model_device
+from .target import decoder_layers, host_tokens, model_device
 
 
 class RMSNorm(nn.Module):
@@ -326,8 +326,8 @@ class TorchDFlashDrafter(Drafter):
     def block_logits(self, tokens: list[int], num_draft: int) -> torch.Tensor:
         """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last)."""
         self._rewind(len(tokens) - 1)
-        block = torch.tensor([[tokens[-1]] + [self.args.mask_token_id] * num_draft],
-                             dtype=torch.long, device=self.device)
+        block = host_tokens([tokens[-1]] + [self.args.mask_token_id] * num_draft, self.device)
+        block = block[None]  # (1, L)
         embeddings = self.embed_tokens(block) * self.args.input_embedding_scale  # (1, L, H)
         hidden = self.model(embeddings, self.cache)[:, 1:]
         head_dtype = self.lm_head.weight.dtype
@@ -354,7 +354,7 @@ def read_weights(path: Path, device) -> dict[str, torch.Tensor]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-        hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
+        hint = f" (found {', '.join(pickled)}: pickle checkpoints never load)" if pickled else ""
         raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
     weights = {}
     for f in files:

@@ -11,7 +11,15 @@ import torch
 from ..engine import Draft, Drafter, Verdict
 from ..sampling import SamplingConfig
 from .sampling import categorical, processed_logprobs
-from .target import cache_argument, cache_length, can_crop, crop, make_cache, model_device
+from .target import (
+    cache_argument,
+    cache_length,
+    can_crop,
+    crop,
+    host_tokens,
+    make_cache,
+    model_device,
+)
 
 
 class TorchDraftModelDrafter(Drafter):
@@ -48,7 +56,7 @@ class TorchDraftModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         keep = self._rewind_to(tokens)
-        inputs = torch.tensor(tokens[keep:], dtype=torch.long, device=self.device)
+        inputs = host_tokens(tokens[keep:], self.device)
         kwargs = {self._cache_arg: self.cache, "use_cache": True, "logits_to_keep": 1}
         drafted, probs = [], []
         for _ in range(k):

@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype):
-    """A transformers causal LM from a converted (dense, HF-named) directory, ready for inference."""
+    """A transformers causal LM from a converted (dense, HF-named) directory, for inference."""
     from transformers import AutoModelForCausalLM
 
     config = json.loads((Path(model_dir) / "config.json").read_text())

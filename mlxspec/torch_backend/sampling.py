@@ -39,7 +39,7 @@ def apply_top_k(logprobs: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Log of q: the target's distribution after truncation and temperature. (..., V) -> (..., V)."""
+    """Log of q: the target's distribution after truncation and temperature, (..., V)."""
     logprobs = logits.float()
     logprobs = logprobs - torch.logsumexp(logprobs, dim=-1, keepdim=True)
     if sampling.top_p < 1.0:

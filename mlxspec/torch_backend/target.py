@@ -17,6 +17,16 @@ from .acceptance import accept_greedy, accept_sampled
 from .sampling import sample_token
 
 
+def host_tokens(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host token ids as a device tensor without stalling on queued GPU work: a plain
+    `torch.tensor(..., device="cuda")` waits for the stream (an implicit sync per step); a pinned
+    buffer copied asynchronously does not (the caching host allocator keeps it alive)."""
+    tensor = torch.tensor(list(values), dtype=torch.long)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def context_length(model) -> int | None:
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
@@ -141,7 +151,7 @@ class TorchTarget:
         a prefix); return the captured features of the processed ones (n, H*layers) or None."""
         if self.capture_layers and self.offset:
             raise ValueError("a drafter that reads target features needs a fresh target cache")
-        body = torch.tensor(list(tokens[self.offset : -1]), dtype=torch.long, device=self.device)
+        body = host_tokens(tokens[self.offset : -1], self.device)
         features = []
         for start in range(0, body.shape[0], self.prefill_step_size):
             _, chunk = self._forward(body[start : start + self.prefill_step_size], last_only=True)
@@ -157,15 +167,16 @@ class TorchTarget:
     def verify(self, pending: int, draft: Draft, sampling: SamplingConfig) -> Verdict:
         """One forward pass over [pending, drafts]; acceptance; one host sync."""
         if isinstance(draft.tokens, list):
-            drafts = torch.tensor(draft.tokens, dtype=torch.long, device=self.device)
+            drafts = host_tokens(draft.tokens, self.device)
         elif isinstance(draft.tokens, torch.Tensor):
             drafts = draft.tokens.to(device=self.device, dtype=torch.long)
         else:
+            kind = type(draft.tokens)
             raise TypeError(
-                f"draft tokens are a {type(draft.tokens).__module__}.{type(draft.tokens).__name__}: "
-                "this drafter was built for another backend; load it with the torch target model"
+                f"draft tokens are a {kind.__module__}.{kind.__name__}: this drafter was built for "
+                "another backend; load it with the torch target model"
             )
-        inputs = torch.cat([torch.tensor([pending], dtype=torch.long, device=self.device), drafts])
+        inputs = torch.cat([host_tokens([pending], self.device), drafts])
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
         if drafts.shape[0] == 0:
             accepted = torch.zeros((), dtype=torch.long, device=self.device)
