@@ -45,6 +45,16 @@ class Verdict:
         return self.draft_tokens[: self.accepted] + [self.next_token]
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: what a cache built for `a` can keep for `b`."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Target(Protocol):
     """What the loop needs from a backend's target model."""
 

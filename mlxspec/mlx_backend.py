@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
-from .engine import Draft, Verdict
+from .engine import Draft, Verdict, common_prefix_length
 from .hidden_states import capture_layer_outputs, concat_features
 from .sampling import SamplingConfig, sample_token
 
@@ -129,11 +129,7 @@ class PromptCache:
         last prompt token is the loop's pending token)."""
         if self.cache is None or not all(c.is_trimmable() for c in self.cache):
             self.cache, self.tokens = make_prompt_cache(model), []
-        keep = 0
-        for a, b in zip(self.tokens, prompt[:-1]):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix_length(self.tokens, prompt[:-1])
         self._trim_to(keep)
         return self.cache
 

@@ -8,7 +8,7 @@ verification form one graph, evaluated once.
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..engine import Draft, Drafter, Verdict
+from ..engine import Draft, Drafter, Verdict, common_prefix_length
 from ..mlx_backend import untrimmable_caches
 from ..sampling import SamplingConfig, processed_logprobs
 
@@ -49,11 +49,7 @@ class DraftModelDrafter(Drafter):
 
     def _rewind_to(self, tokens: list[int]) -> int:
         """Trim the cache to the longest prefix shared with `tokens`; return its length."""
-        keep = 0
-        for a, b in zip(self._seen, tokens):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix_length(self._seen, tokens)
         keep = min(keep, len(tokens) - 1)  # always re-feed at least the last token
         drop = len(self._seen) - keep
         if drop > 0:

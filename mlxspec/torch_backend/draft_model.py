@@ -8,7 +8,7 @@ and the target's verification are read back once, by the target.
 
 import torch
 
-from ..engine import Draft, Drafter, Verdict
+from ..engine import Draft, Drafter, Verdict, common_prefix_length
 from ..sampling import SamplingConfig
 from .sampling import categorical, processed_logprobs
 from .target import (
@@ -43,11 +43,7 @@ class TorchDraftModelDrafter(Drafter):
 
     def _rewind_to(self, tokens: list[int]) -> int:
         """Crop the cache to the longest prefix shared with `tokens`; return its length."""
-        keep = 0
-        for a, b in zip(self._seen, tokens):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix_length(self._seen, tokens)
         keep = min(keep, len(tokens) - 1)  # always re-feed at least the last token
         crop(self.cache, cache_length(self.cache) - keep)
         self._seen = self._seen[:keep]

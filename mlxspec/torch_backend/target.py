@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine import Draft, Verdict
+from ..engine import Draft, Verdict, common_prefix_length
 from ..sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
 from .sampling import sample_token
@@ -220,11 +220,7 @@ class TorchPromptCache:
         last prompt token is the loop's pending token)."""
         if self.cache is None or not can_crop(self.cache):
             self.cache, self.tokens = make_cache(model), []
-        keep = 0
-        for a, b in zip(self.tokens, prompt[:-1]):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix_length(self.tokens, prompt[:-1])
         self._trim_to(keep)
         return self.cache
 
