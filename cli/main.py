@@ -265,9 +265,10 @@ def _csv(kind):
 @main.command()
 @model_options
 @click.option("--drafters", default="none,lookup", show_default=True, callback=_csv(str),
-              help=f"Comma-separated, from: {', '.join(DRAFTERS)}.")
+              help=f"Comma-separated, from: {', '.join(DRAFTERS)}; name@K for a fixed K.")
 @click.option("--draft-model", default=None, help="Draft model for the draft drafter and mlx-lm.")
-@click.option("--dflash-model", default=None, help="DFlash drafter checkpoint for the target.")
+@click.option("--dflash-model", default=None,
+              help="DFlash drafter checkpoint for the target (default: the one shipped for it).")
 @click.option("--suite", "suites", default="humaneval,mtbench,copy", show_default=True,
               callback=_csv(str), help="Comma-separated prompt suites.")
 @click.option("--temp", "temps", default="0", show_default=True, callback=_csv(float),
@@ -275,6 +276,9 @@ def _csv(kind):
 @click.option("--max-tokens", "-n", type=int, default=128, show_default=True)
 @click.option("--limit", type=int, default=10, show_default=True, help="Prompts per suite.")
 @click.option("--num-draft", "-k", type=int, default=None)
+@click.option("--adaptive/--fixed-k", default=True, show_default=True,
+              help="Adaptive draft length for our drafters; a drafter written name@K (e.g. "
+                   "draft@4) always drafts K.")
 @click.option("--mlx-lm/--no-mlx-lm", "with_mlx_lm", default=None,
               help="Also run mlx-lm (plain, and --draft-model) on the same prompts "
                    "(default: on with --backend mlx; not available with --backend torch).")
@@ -285,10 +289,11 @@ def _csv(kind):
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
 def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, suites, temps,
-          max_tokens, limit, num_draft, with_mlx_lm, mlx_lm_num_draft, out, markdown, plot):
+          max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft, out, markdown,
+          plot):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
-    from mlxspec.bench import SUITES, markdown_table, run_benchmark, save_report
+    from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark, save_report
 
     if plot:
         try:
@@ -296,17 +301,21 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, su
         except ImportError:
             raise click.BadParameter("needs matplotlib: pip install 'mlxspec[bench]'",
                                      param_hint="--plot") from None
-    bad = [d for d in drafters if d not in DRAFTERS]
+    bad = [d for d in drafters if d.split("@")[0] not in DRAFTERS]
     if bad:
         raise click.BadParameter(f"unknown drafter(s) {bad}", param_hint="--drafters")
+    try:
+        for d in drafters:
+            fixed_k(d)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--drafters") from None
+    kinds = {d.split("@")[0] for d in drafters}
     bad = [s for s in suites if s not in SUITES]
     if bad:
         raise click.BadParameter(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}",
                                  param_hint="--suite")
-    if "draft" in drafters and not draft_model:
+    if "draft" in kinds and not draft_model:
         raise click.BadParameter("the draft drafter needs --draft-model", param_hint="--draft-model")
-    if "dflash" in drafters and not dflash_model:
-        raise click.BadParameter("the dflash drafter needs --dflash-model", param_hint="--dflash-model")
     _check_backend(backend, device)
     if backend == "torch" and with_mlx_lm:
         raise click.BadParameter("mlx-lm runs on MLX only; drop it with --backend torch",
@@ -315,11 +324,12 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, su
     paths = {"draft": draft_model, "dflash": dflash_model}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
-        built = {d: mlxspec.load_drafter(d, paths.get(d), model=target, tokenizer=tokenizer)
-                 for d in drafters}
+        by_kind = {k: mlxspec.load_drafter(k, paths.get(k), model=target, tokenizer=tokenizer)
+                   for k in kinds}
+        built = {d: by_kind[d.split("@")[0]] for d in drafters}  # one drafter, several K
         lm_draft = None
         if with_mlx_lm:
-            lm_draft = built["draft"].model if "draft" in built else (
+            lm_draft = by_kind["draft"].model if "draft" in by_kind else (
                 mlxspec.load(draft_model, dtype=dtype)[0] if draft_model else None)
     except (ValueError, FileNotFoundError) as err:
         _fail(err)
@@ -327,7 +337,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, su
     report = run_benchmark(
         target, tokenizer, drafters=built, suites=suites, temps=temps, max_tokens=max_tokens,
         limit=limit, num_draft=num_draft, mlx_lm_draft_model=lm_draft,
-        mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm,
+        mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, adaptive=adaptive,
         progress=lambda line: click.echo(line, err=True),
     )
     report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"

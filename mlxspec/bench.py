@@ -56,6 +56,12 @@ class RunResult:
             ],
             ttft_mean=statistics.mean(self.ttft) if self.ttft else None,
         )
+        # tau is the ideal speedup (free drafts, verify as cheap as one decode step); the cost
+        # of one step relative to a plain decode step is what stands between the two.
+        if plain_tps and self.target_passes and self.seconds:
+            d["step_cost"] = (self.seconds / self.target_passes) * plain_tps
+        else:
+            d["step_cost"] = None
         return d
 
 
@@ -126,14 +132,17 @@ def run_benchmark(
     mlx_lm_draft_model=None,
     mlx_lm_num_draft: int = 4,
     with_mlx_lm: bool = True,
+    adaptive: bool = True,
     seed: int = 0,
     progress=print,
 ) -> dict:
-    """`drafters` maps a label to a Drafter (or None for plain decoding)."""
+    """`drafters` maps a label to a Drafter (or None for plain decoding); a label "name@K"
+    runs with a fixed K drafts per step, others with the adaptive K unless `adaptive` is off."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
     configs = [("mlxspec", name, drafter) for name, drafter in drafters.items()]
+    fixed = {name: fixed_k(name) for name in drafters}
     if with_mlx_lm:
         configs.append(("mlx-lm", "none", None))
         if mlx_lm_draft_model is not None:
@@ -153,8 +162,9 @@ def run_benchmark(
             for i, prompt in enumerate(prompts):
                 for engine, name, drafter in configs:
                     if engine == "mlxspec":
-                        _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp,
-                              seed + i, row[engine, name])
+                        k = fixed[name]
+                        _ours(model, tokenizer, prompt, max_tokens, drafter, k or num_draft, temp,
+                              seed + i, row[engine, name], adaptive=adaptive and k is None)
                     else:
                         _mlx_lm(model, tokenizer, prompt, max_tokens, drafter, mlx_lm_num_draft,
                                 temp, seed + i, row[engine, name])
@@ -170,9 +180,46 @@ def run_benchmark(
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "blas": _blas.blas_in_use(), "mlx": mx.__version__},
         "settings": {"suites": suites, "temps": temps, "max_tokens": max_tokens, "limit": limit,
-                     "num_draft": num_draft, "mlx_lm_num_draft": mlx_lm_num_draft, "seed": seed},
+                     "num_draft": num_draft, "mlx_lm_num_draft": mlx_lm_num_draft, "seed": seed,
+                     "adaptive": adaptive},
+        "verify_cost": verify_cost(model, tokenizer) if _is_mlx(model) else None,
         "results": results,
     }
+
+
+def fixed_k(label: str) -> int | None:
+    """K of a "name@K" drafter label, else None."""
+    if "@" not in label:
+        return None
+    k = label.rsplit("@", 1)[1]
+    if not k.isdigit() or int(k) < 1:
+        raise ValueError(f"drafter label {label!r}: expected name@K with K >= 1")
+    return int(k)
+
+
+def _is_mlx(model) -> bool:
+    return not type(model).__module__.startswith("transformers")
+
+
+def verify_cost(model, tokenizer, sizes=(1, 2, 4, 8, 16), context: int = 256, repeats: int = 5):
+    """Seconds of one target pass over n tokens (after `context` cached ones), relative to n=1:
+    what verifying K drafts costs against one plain decode step on this machine."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = (tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * context)[:context]
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([ids]), cache=cache))
+    times = {}
+    for n in sizes:
+        samples = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            mx.eval(model(mx.array([ids[:n]]), cache=cache))
+            samples.append(time.perf_counter() - start)
+            for c in cache:
+                c.trim(n)
+        times[n] = statistics.median(samples[1:])
+    return {str(n): times[n] / times[sizes[0]] for n in sizes}
 
 
 def _chat(tokenizer, text):
@@ -183,16 +230,24 @@ def _chat(tokenizer, text):
 
 def markdown_table(report: dict) -> str:
     head = ("| suite | T | engine | drafter | tok/s | speedup vs plain | vs mlx-lm plain | tau | "
-            "acceptance | TTFT s | peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "step cost | acceptance | TTFT s | peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for r in report["results"]:
         rows.append(
             f"| {r['suite']} | {r['temp']:g} | {r['engine']} | {r['drafter']} | "
             f"{r['tps']:.2f} ± {r['tps_stdev']:.2f} | {_x(r['speedup'])} | "
-            f"{_x(r['speedup_vs_mlx_lm_plain'])} | {_f(r['tau'])} | "
+            f"{_x(r['speedup_vs_mlx_lm_plain'])} | {_f(r['tau'])} | {_f(r.get('step_cost'))} | "
             f"{_pct(r['acceptance_rate'])} | {_f(r['ttft_mean'])} | {r['peak_memory_gb']:.2f} |"
         )
-    return "\n".join([head] + rows)
+    lines = [head] + rows
+    cost = report.get("verify_cost")
+    if cost:
+        lines += ["", "Target pass over n tokens vs one decode step (n = 1): " + ", ".join(
+            f"n={n}: {c:.2f}x" for n, c in cost.items())]
+    lines += ["", "tau is the ideal speedup (drafts free, a verify pass as cheap as a decode step); "
+              "step cost = seconds per target pass (drafting + verify) / seconds per plain token, "
+              "so speedup = tau / step cost."]
+    return "\n".join(lines)
 
 
 def _x(v):

@@ -87,6 +87,16 @@ class Drafter:
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         """`verdict` was appended; `tokens` is the new committed list (pending last)."""
 
+    def draft_policy(self, max_k: int, greedy: bool) -> "AdaptiveDraftLength":
+        """The adaptive-K policy for this drafter, kept across generations: acceptance per
+        position and step timings carry over from one prompt (or chat turn) to the next, so a
+        short generation does not pay the exploration again (greedy and sampled apart)."""
+        policies = self.__dict__.setdefault("_draft_policies", {})
+        key = (max_k, greedy)
+        if key not in policies:
+            policies[key] = AdaptiveDraftLength(max_k)
+        return policies[key]
+
 
 @dataclass
 class SpecStats:
@@ -215,7 +225,7 @@ def speculative_tokens(
     if isinstance(adaptive, AdaptiveDraftLength):
         policy = adaptive
     else:
-        policy = AdaptiveDraftLength(num_draft) if adaptive else None
+        policy = drafter.draft_policy(num_draft, sampling.temp == 0) if adaptive else None
     produced = 0
     while produced < max_tokens:
         step_start = time.perf_counter()

@@ -187,3 +187,19 @@ def test_adaptive_choice_follows_measured_costs():
         policy.update(1, 0, 1.0 + 0.6)
         policy.update(0, 0, 1.0)
     assert policy.next_k() == 0
+
+
+def test_adaptive_policy_carries_over_between_generations(target):
+    """The drafter keeps its adaptive-K policy across calls (greedy and sampled apart): what one
+    prompt taught about acceptance is where the next starts."""
+    from mlxspec.drafters import PromptLookupDrafter
+
+    drafter = PromptLookupDrafter()
+    policy = drafter.draft_policy(6, True)
+    assert drafter.draft_policy(6, True) is policy and drafter.draft_policy(6, False) is not policy
+    before = list(policy.conditional)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    list(speculative_tokens(MLXTarget(target, speculative=True), drafter, prompt,
+                            sampling=GREEDY, max_tokens=20, num_draft=6, stats=SpecStats(),
+                            adaptive=True))
+    assert drafter.draft_policy(6, True) is policy and policy.conditional != before

@@ -180,3 +180,42 @@ def test_sequence_store_resumes_and_reloads(target, tmp_path):
         SequenceStore(tmp_path / "s", meta={"x": 2})
     train, held = split_heldout(list(range(10)), 2, seed=0)
     assert len(train) == 8 and len(held) == 2 and not set(train) & set(held)
+
+
+def test_split_survives_a_growing_prompt_list():
+    small_train, small_held = split_heldout(list(range(40)), 4, seed=0)
+    big_train, big_held = split_heldout(list(range(400)), 4, seed=0)
+    assert small_held == big_held and big_train[: len(small_train)] == small_train
+
+
+def test_batched_greedy_responses_equal_single_stream(target):
+    from mlxspec.training.data import greedy_responses
+
+    eos = {3}
+    single = [greedy_response(target, p, 10, eos) for p in PROMPTS]
+    assert greedy_responses(target, PROMPTS, 10, eos, batch_size=3) == single
+
+
+def test_reduced_loss_vocabulary(target):
+    """The loss vocabulary is the most frequent response tokens plus the end tokens; labels
+    outside it carry no weight, labels inside get the full head's logits restricted to it."""
+    from mlxspec.training.dflash_trainer import SubsetHead, frequent_tokens
+
+    seqs = [([9, 9, 1, 1, 1, 2, 2, 5], 2), ([9, 4, 1, 2], 1)]  # responses: 1 x4, 2 x3, 5, 4
+    assert frequent_tokens(seqs, VOCAB, 2, always=[31]) == [1, 2, 31]
+    head = target_head(target)
+    sub = SubsetHead(head, [1, 2, 31], VOCAB)
+    h = mx.random.normal((3, 32))
+    assert mx.allclose(sub(h), head(h)[:, mx.array([1, 2, 31])], atol=1e-5)
+    assert sub.label_map[mx.array([1, 2, 31, 5])].tolist() == [0, 1, 2, -1]
+    config = drafter_config_for(target, layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    model = DFlashModel(DFlashConfig.from_dict(config))
+    tokens = mx.array([1, 2, 1, 5, 2, 1, 1, 2], dtype=mx.int32)
+    feats = target_features(target, tokens.tolist(), model.args.target_layer_ids)
+    anchors = mx.array([1, 2, 3], dtype=mx.int32)
+    kw = dict(embed_tokens=target_embedding(target), gamma=7.0)
+    _, full_weight, _ = block_loss(model, feats, tokens, anchors, lm_head=head, **kw)
+    _, sub_weight, _ = block_loss(model, feats, tokens, anchors, lm_head=sub, **kw)
+    # labels at positions 2..6; the single 5 (position 3) is seen by anchors 1 and 2
+    decay = np.exp(-np.arange(3) / 7.0)
+    assert abs(float(full_weight) - float(sub_weight) - (decay[1] + decay[0])) < 1e-5

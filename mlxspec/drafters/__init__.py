@@ -22,16 +22,18 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
         return Drafter()
     if kind == "lookup":
         return PromptLookupDrafter(**options)
-    if path is not None and backend_of(model) == "torch":  # a missing path: errors below
+    if kind == "dflash" and path is None:
+        path = shipped_drafter_path(model)
+        if path is None:
+            raise ValueError(
+                "the dflash drafter needs a drafter checkpoint trained for this target "
+                "(--draft-model); mlxspec ships one only for the default SmolLM2-135M-Instruct"
+            )
+    if path is not None and backend_of(model) == "torch":
         from .. import torch_backend
 
         return torch_backend.load_drafter(kind, path, model=model, tokenizer=tokenizer, **options)
     if kind == "dflash":
-        if path is None:
-            raise ValueError(
-                "the dflash drafter needs a drafter checkpoint trained for this target "
-                "(--draft-model); none ships for the default SmolLM2 target yet"
-            )
         from .dflash import load_dflash_drafter
 
         return load_dflash_drafter(path, model=model, tokenizer=tokenizer, **options)
@@ -42,6 +44,18 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
     draft_model, draft_tokenizer = load(path, **options)
     check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
     return DraftModelDrafter(draft_model)
+
+
+def shipped_drafter_path(model):
+    """The trained DFlash drafter shipped for this target (MLX or transformers), or None."""
+    from .dflash import find_shipped_drafter, shipped_drafter_for
+
+    if backend_of(model) == "mlx":
+        return shipped_drafter_for(model)
+    config = model.config
+    sizes = (config.hidden_size, config.vocab_size, config.num_hidden_layers)
+    weight = model.get_input_embeddings().weight
+    return find_shipped_drafter(sizes, lambda: float(weight[:8].float().sum().item()))
 
 
 def vocab_size(model) -> int:

@@ -8,6 +8,7 @@ After verification the features of the newly committed positions extend the cach
 reads a value back to the host: drafting joins the target's one evaluation per step.
 """
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -188,6 +189,38 @@ def check_against_target(args: DFlashConfig, model) -> None:
         raise ValueError("DFlash drafter does not fit this target: " + "; ".join(problems))
 
 
+TRAINED_DIR = Path(__file__).parent / "trained"
+
+
+def embedding_checksum(model) -> float:
+    """Sum of the first 8 embedding rows (dequantized): tells targets of equal shape apart."""
+    embed = target_embedding(model)
+    rows = embed.weight[:8]
+    if hasattr(embed, "scales"):
+        rows = mx.dequantize(rows, embed.scales[:8], embed.get("biases")[:8] if "biases" in embed
+                             else None, group_size=embed.group_size, bits=embed.bits)
+    return float(rows.astype(mx.float32).sum().item())
+
+
+def find_shipped_drafter(sizes: tuple[int, int, int], checksum) -> Path | None:
+    """The DFlash drafter that ships with mlxspec for a target, if any: a directory under
+    drafters/trained/ whose target.json holds the target's (hidden, vocab, layers) and the sum of
+    its first 8 embedding rows (`checksum()`, called only when the sizes match)."""
+    value = None
+    for target_file in sorted(TRAINED_DIR.glob("*/target.json")):
+        want = json.loads(target_file.read_text())
+        if (want["hidden_size"], want["vocab_size"], want["num_layers"]) != tuple(sizes):
+            continue
+        value = checksum() if value is None else value
+        if abs(value - want["embedding_checksum"]) <= 1e-3 * max(1.0, abs(value)):
+            return target_file.parent
+    return None
+
+
+def shipped_drafter_for(model) -> Path | None:
+    return find_shipped_drafter(target_sizes(model), lambda: embedding_checksum(model))
+
+
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None) -> DFlashDrafter:
     """Load a DFlash checkpoint for target `model`: a directory with config.json and
     *.safetensors, or a Hub repo id (through the Hugging Face cache; HF_HUB_OFFLINE applies).
@@ -205,6 +238,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     check_block_size(block_size, args.block_size)
     weights = read_weights(path)
     drafter_model = check_weights(args, weights)
+    compute = _dtype_of(target_head(model))  # a bf16/fp16 checkpoint runs at the target's dtype
+    weights = {k: v.astype(compute) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in weights.items()}
     drafter_model.load_weights(list(weights.items()))
     drafter_model.eval()
     embed = getattr(drafter_model, "embed_tokens", None)

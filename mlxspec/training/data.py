@@ -140,9 +140,11 @@ def load_examples(source, limit=None) -> list[tuple]:
 
 
 def split_heldout(items: list, heldout: int, seed: int = 0) -> tuple[list, list]:
-    """(train, held-out): a fixed, seeded choice of `heldout` items."""
+    """(train, held-out): a seeded choice of `heldout` items among the first 4*heldout, so the
+    split (and a store of training sequences built in order) survives growing the item list."""
     heldout = min(heldout, max(len(items) - 1, 0))
-    order = np.random.default_rng(seed).permutation(len(items))
+    pool = min(len(items), 4 * heldout)
+    order = np.random.default_rng(seed).permutation(pool)
     held = set(order[:heldout].tolist())
     return [x for i, x in enumerate(items) if i not in held], [items[i] for i in sorted(held)]
 
@@ -290,6 +292,65 @@ def greedy_response(model, prompt_ids: list[int], max_new_tokens: int, eos: set[
     return out
 
 
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _torch_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int]):
+    """transformers' batched greedy generate, left-padded (a pad id never attended to)."""
+    import torch
+
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    starts = torch.tensor([longest - len(p) for p in prompts], device=device)
+    attention = (torch.arange(longest, device=device)[None] >= starts[:, None]).long()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=attention, do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0,
+                             eos_token_id=sorted(eos) or None)
+    return [_cut_at_eos(row, eos) for row in out[:, longest:].tolist()]
+
+
+def _mlx_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int]):
+    """mlx-lm's BatchGenerator (argmax sampler); the end token is kept, as greedy_response does."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos)],
+                         completion_batch_size=len(prompts), prefill_batch_size=8)
+    uids = gen.insert(prompts, [max_new_tokens] * len(prompts))
+    out = {uid: [] for uid in uids}
+    try:
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append(int(r.token))
+    finally:
+        gen.close()
+    return [_cut_at_eos(out[uid], eos) for uid in uids]
+
+
+def greedy_responses(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                     batch_size: int = 32) -> list[list[int]]:
+    """The target's greedy answers to many prompts, batched (2-4x the single-stream rate here:
+    the weights are read once per step for the whole batch). Prompts are batched by length to
+    waste little on padding; answers come back in the prompts' order. `model` is an mlx-lm or
+    a transformers (torch) model of the same weights."""
+    if batch_size <= 1:
+        return [greedy_response(model, p, max_new_tokens, eos) for p in prompts]
+    is_torch = type(model).__module__.startswith("transformers")
+    run = _torch_greedy_batch if is_torch else _mlx_greedy_batch
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list = [None] * len(prompts)
+    for s in range(0, len(order), batch_size):
+        chunk = order[s : s + batch_size]
+        for i, answer in zip(chunk, run(model, [prompts[i] for i in chunk], max_new_tokens, eos)):
+            answers[i] = answer
+    return answers
+
+
 def eos_ids(tokenizer) -> set[int]:
     if tokenizer is None:
         return set()
@@ -309,13 +370,16 @@ def build_sequences(
     responses: str = "target",
     max_new_tokens: int = 256,
     max_prompt_tokens: int = 1024,
+    batch_size: int = 1,
     progress: bool = False,
 ) -> SequenceStore:
     """Fill `store` with one sequence per example, resuming after those it already holds.
 
-    responses="target": the target's own greedy answer (what the drafter must predict);
-    "conversation": the example's real answer, teacher-forced (examples without one are skipped).
-    Prompts longer than `max_prompt_tokens` keep their last tokens.
+    responses="target": the target's own greedy answer (what the drafter must predict), from
+    `model` (the MLX target, or a torch copy of it: faster batched on CPU), `batch_size` prompts
+    at a time; "conversation": the example's real answer, teacher-forced (examples without one
+    are skipped). Prompts longer than `max_prompt_tokens` keep their last tokens. The store is
+    flushed after every chunk of 4 batches, so a stop loses at most one chunk.
     """
     if responses not in ("target", "conversation"):
         raise ValueError(f"responses must be 'target' or 'conversation', got {responses!r}")
@@ -327,18 +391,22 @@ def build_sequences(
         from tqdm import tqdm
 
         bar = tqdm(total=len(examples), initial=len(store), desc="responses", unit="seq")
+    chunk = max(batch_size, 1) * 4
     try:
-        for prompt, answer in todo:
-            ids = encode_prompt(tokenizer, prompt)[-max_prompt_tokens:]
+        for s in range(0, len(todo), chunk):
+            part = todo[s : s + chunk]
+            prompts = [encode_prompt(tokenizer, p)[-max_prompt_tokens:] for p, _ in part]
             if responses == "target":
-                response = greedy_response(model, ids, max_new_tokens, eos)
-            elif answer is None:
-                response = []
+                answers = greedy_responses(model, prompts, max_new_tokens, eos, batch_size)
             else:
-                response = encode_answer(tokenizer, prompt, answer, ids)[:max_new_tokens]
-            store.append(ids + response, len(ids))  # empty responses keep the cursor aligned
+                answers = [[] if a is None else
+                           encode_answer(tokenizer, p, a, ids)[:max_new_tokens]
+                           for (p, a), ids in zip(part, prompts)]
+            for ids, answer in zip(prompts, answers):
+                store.append(ids + answer, len(ids))  # empty answers keep the cursor aligned
+            store.flush()
             if bar:
-                bar.update(1)
+                bar.update(len(part))
     finally:
         store.flush()
         if bar:

@@ -275,8 +275,48 @@ def training_logits(model, features, tokens, anchors, *, embed_tokens, lm_head):
     return model.compute_logits(hidden, lm_head)
 
 
+def head_weight(head) -> mx.array:
+    """(V, H) weight of an LM head module or of a tied embedding's `as_linear` (dequantized)."""
+    module = getattr(head, "__self__", head)
+    if hasattr(module, "scales"):
+        return mx.dequantize(module.weight, module.scales, module.get("biases"),
+                             group_size=module.group_size, bits=module.bits)
+    return module.weight
+
+
+class SubsetHead:
+    """The frozen LM head restricted to `token_ids`: the training loss's reduced vocabulary.
+
+    On SmolLM2 the full 49k-row head and its log-sum-exp are most of a training step; the
+    target's responses use far fewer distinct tokens (8k of them cover ~97%). Inference keeps
+    the full head; `label_map` sends a token id to its row here, or -1 (left out of the loss).
+    """
+
+    def __init__(self, head, token_ids, vocab_size: int):
+        token_ids = mx.array(token_ids, dtype=mx.int32)
+        self.weight = mx.stop_gradient(head_weight(head)[token_ids])
+        mx.eval(self.weight)
+        label_map = np.full(vocab_size, -1, dtype=np.int32)
+        label_map[np.array(token_ids)] = np.arange(token_ids.shape[0], dtype=np.int32)
+        self.label_map = mx.array(label_map)
+
+    def __call__(self, hidden: mx.array) -> mx.array:
+        return hidden @ self.weight.T
+
+
+def frequent_tokens(sequences, vocab_size: int, count: int, always=()) -> list[int]:
+    """The `count` most frequent ids of the responses (prompt tokens are never labels), plus
+    `always` (end tokens), sorted."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for tokens, prompt_len in sequences:
+        np.add.at(counts, np.asarray(tokens[prompt_len:], dtype=np.int64), 1)
+    keep = set(np.argsort(-counts, kind="stable")[:count].tolist()) | {int(t) for t in always}
+    return sorted(keep)
+
+
 def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma):
-    """(sum of weighted CE, sum of weights, correct slot-1 predictions) for one sequence."""
+    """(sum of weighted CE, sum of weights, correct slot-1 predictions) for one sequence.
+    With a `SubsetHead`, labels outside its vocabulary carry no weight."""
     bs = model.args.block_size
     logits = training_logits(model, features, tokens, anchors,
                              embed_tokens=embed_tokens, lm_head=lm_head).astype(mx.float32)
@@ -284,27 +324,31 @@ def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma
     idx = anchors[:, None] + mx.arange(1, bs)[None]
     valid = idx < L
     labels = tokens[mx.minimum(idx, L - 1)]
+    if isinstance(lm_head, SubsetHead):
+        labels = lm_head.label_map[labels]
+        valid = valid & (labels >= 0)
+        labels = mx.maximum(labels, 0)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     weights = mx.exp(-mx.arange(bs - 1, dtype=mx.float32) / gamma)[None] * valid
-    correct = (mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]).sum()
+    correct = ((mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]) & valid[:, 0]).sum()
     return (ce * weights).sum(), weights.sum(), correct
 
 
 # ---- Checkpoints ----------------------------------------------------------------------------
 
 
-def export_weights(model: DFlashModel, inv_scale: mx.array | None) -> dict[str, mx.array]:
+def export_weights(weights: dict, inv_scale: mx.array | None) -> dict[str, mx.array]:
     """z-lab-named weights with the feature scale folded into fc (x/s then W  ==  W/s then x)."""
-    weights = dict(tree_flatten(model.parameters()))
+    weights = {k: mx.array(v) for k, v in weights.items()}
     if inv_scale is not None:
         weights["fc.weight"] = weights["fc.weight"] * inv_scale[None].astype(weights["fc.weight"].dtype)
     return weights
 
 
-def export_drafter(model: DFlashModel, inv_scale, target) -> DFlashDrafter:
-    """An inference drafter with the current weights (scale folded), for τ measurement."""
-    copy = DFlashModel(model.args)
-    copy.load_weights(list(export_weights(model, inv_scale).items()))
+def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target) -> DFlashDrafter:
+    """An inference drafter with the given training weights (scale folded), for τ measurement."""
+    copy = DFlashModel(args)
+    copy.load_weights(list(export_weights(weights, inv_scale).items()))
     mx.eval(copy.parameters())
     copy.eval()
     return DFlashDrafter(
@@ -313,11 +357,11 @@ def export_drafter(model: DFlashModel, inv_scale, target) -> DFlashDrafter:
     )
 
 
-def write_checkpoint(out: Path, config: dict, model, inv_scale) -> None:
+def write_checkpoint(out: Path, config: dict, weights: dict, inv_scale) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = out / STATE_DIR
     state.mkdir(exist_ok=True)
-    _atomic_save_safetensors(out / "model.safetensors", export_weights(model, inv_scale),
+    _atomic_save_safetensors(out / "model.safetensors", export_weights(weights, inv_scale),
                              tmp_dir=state)  # the temporary file must not sit beside config.json
     _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
 
@@ -400,6 +444,83 @@ def _resolve_target(target, tokenizer):
     return target, tokenizer
 
 
+def prepare_data(target, tokenizer, prompts, data_dir, *, responses="target",
+                 max_new_tokens=256, max_prompt_tokens=512, num_prompts=None, heldout=8, seed=0,
+                 generator=None, generate_batch_size=32, progress=True):
+    """(store, train examples, held-out examples): the training sequences in `data_dir`, made
+    (or completed, after an interruption or with more prompts) from `prompts`. Responses come
+    from `generator` (default: the target itself; a torch copy of the same weights is faster
+    batched on CPU)."""
+    examples = load_examples(prompts, num_prompts)
+    train_examples, heldout_examples = split_heldout(examples, heldout, seed)
+    if not train_examples:
+        raise ValueError("no training prompts")
+    meta = {
+        "target": [target_sizes(target), float(target_embedding(target).weight[:8].sum().item())],
+        "source": prompts if isinstance(prompts, str) else fingerprint(examples),
+        "responses": responses, "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens, "heldout": heldout, "seed": seed,
+    }
+    if not isinstance(prompts, str):
+        meta["source"] = fingerprint(train_examples[:1])  # stable as the list grows
+    store = SequenceStore(data_dir, meta=meta)
+    build_sequences(store, generator if generator is not None else target, tokenizer,
+                    train_examples, responses=responses, max_new_tokens=max_new_tokens,
+                    max_prompt_tokens=max_prompt_tokens, batch_size=generate_batch_size,
+                    progress=progress)
+    return store, train_examples, heldout_examples
+
+
+class MLXDFlashTraining:
+    """The tensor math of training on MLX: features, one optimizer step, optimizer state.
+    (The torch twin is mlxspec.torch_backend.dflash_training; the loop is `train_dflash`.)"""
+
+    def __init__(self, target, args: DFlashConfig, weights: dict, *, schedule, weight_decay,
+                 grad_clip, gamma, loss_ids, inv_scale):
+        self.target, self.args, self.gamma, self.grad_clip = target, args, gamma, grad_clip
+        self.inv_scale = inv_scale
+        self.model = DFlashModel(args)
+        self.model.load_weights(list(weights.items()))
+        mx.eval(self.model.parameters())
+        self.embed = target_embedding(target)
+        head = target_head(target)
+        _, vocab, _ = target_sizes(target)
+        self.head = SubsetHead(head, loss_ids, vocab) if loss_ids is not None else head
+        self.optimizer = optim.AdamW(schedule, weight_decay=weight_decay, bias_correction=True)
+        self.optimizer.init(self.model.trainable_parameters())
+        self._grad = nn.value_and_grad(self.model, self._loss)
+
+    def features(self, tokens: list[int]) -> mx.array:
+        feats = target_features(self.target, tokens, self.args.target_layer_ids)
+        return feats * self.inv_scale if self.inv_scale is not None else feats
+
+    def _loss(self, batch):
+        total = weight = correct = 0
+        for feats, tokens, chosen in batch:
+            t, w, c = block_loss(self.model, feats, mx.array(tokens, dtype=mx.int32),
+                                 mx.array(chosen, dtype=mx.int32), embed_tokens=self.embed,
+                                 lm_head=self.head, gamma=self.gamma)
+            total, weight, correct = total + t, weight + w, correct + c
+        return total / weight, correct
+
+    def step(self, batch) -> tuple[float, int]:
+        (loss, correct), grads = self._grad(batch)
+        if self.grad_clip:
+            grads, _ = optim.clip_grad_norm(grads, self.grad_clip)
+        self.optimizer.update(self.model, grads)
+        mx.eval(loss, correct, self.model.parameters(), self.optimizer.state)
+        return loss.item(), int(correct.item())
+
+    def weights(self) -> dict[str, mx.array]:
+        return dict(tree_flatten(self.model.parameters()))
+
+    def save_optimizer(self, state_dir: Path) -> None:
+        _save_tree(state_dir / "optimizer.safetensors", self.optimizer.state, state_dir)
+
+    def load_optimizer(self, state_dir: Path) -> None:
+        self.optimizer.state = _load_tree(state_dir / "optimizer.safetensors")
+
+
 def train_dflash(
     target,
     prompts,
@@ -434,6 +555,12 @@ def train_dflash(
     drafter_overrides: dict | None = None,
     seed: int = 0,
     stop_after: int | None = None,
+    loss_vocab: int | None = None,
+    backend: str = "mlx",
+    torch_target=None,
+    device=None,
+    generator=None,
+    generate_batch_size: int = 32,
     progress: bool = True,
 ) -> TrainResult:
     """Train (or with `resume`, continue training) a DFlash drafter for `target`; the checkpoint
@@ -445,9 +572,25 @@ def train_dflash(
     greedy answers; "conversation": the data's real answers) are cached in `data_dir` (default
     out/data) and reused or continued by later calls. `steps` is the schedule's length;
     `stop_after` stops early at that step (as an interruption would, after saving).
+    `loss_vocab`: train against the target head's rows of the N most frequent response tokens
+    only (`SubsetHead`; ~4x cheaper steps on SmolLM2); the checkpoint still uses the full head.
+    `generator`: the model that writes the responses (default the target; see `prepare_data`).
+    `backend="torch"`: the training steps run in torch on `torch_target` (the same weights as a
+    transformers model, `mlxspec.load(..., backend="torch")`; ~3x faster on this CPU, and CUDA
+    with `device`); the checkpoint, the data and the held-out τ (measured on the MLX target)
+    are the same. A run resumes on the backend it started with.
     """
     out = Path(out).expanduser()
     state_dir = out / STATE_DIR
+    if backend not in ("mlx", "torch"):
+        raise ValueError(f"backend must be 'mlx' or 'torch', got {backend!r}")
+    if backend == "torch" and torch_target is None:
+        if target is not None and not isinstance(target, (str, os.PathLike)):
+            raise ValueError("backend='torch' needs torch_target=, the target loaded with "
+                             "mlxspec.load(..., backend='torch')")
+        from ..loading import load
+
+        torch_target = load(target, backend="torch", device=device)[0]
     target, tokenizer = _resolve_target(target, tokenizer)
     if init not in ("target", "random"):
         raise ValueError(f"init must be 'target' or 'random', got {init!r}")
@@ -457,30 +600,25 @@ def train_dflash(
         raise FileExistsError(f"{out} already holds a training run; pass resume=True to continue it")
 
     # -- data: held-out prompts for τ, training sequences in the store
-    examples = load_examples(prompts, num_prompts)
-    train_examples, heldout_examples = split_heldout(examples, heldout, seed)
-    if not train_examples:
-        raise ValueError("no training prompts")
+    store, train_examples, heldout_examples = prepare_data(
+        target, tokenizer, prompts, data_dir or out / "data", responses=responses,
+        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+        num_prompts=num_prompts, heldout=heldout, seed=seed, generator=generator,
+        generate_batch_size=generate_batch_size, progress=progress)
     _, vocab, num_layers = target_sizes(target)
-    meta = {
-        "target": [target_sizes(target), float(target_embedding(target).weight[:8].sum().item())],
-        "source": prompts if isinstance(prompts, str) else fingerprint(examples),
-        "responses": responses, "max_new_tokens": max_new_tokens,
-        "max_prompt_tokens": max_prompt_tokens, "heldout": heldout, "seed": seed,
-    }
-    store = SequenceStore(data_dir or out / "data", meta=meta)
-    build_sequences(store, target, tokenizer, train_examples, responses=responses,
-                    max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                    progress=progress)
     train_ids = [i for i in range(len(store))
                  if min(len(store[i][0]), max_seq_len) - max(store[i][1] - 1, 0) >= 2]
     if not train_ids:
         raise ValueError("no training sequence has a response to learn from")
     heldout_prompts = [encode_prompt(tokenizer, p)[-max_prompt_tokens:] for p, _ in heldout_examples]
 
-    # -- model, optimizer, state
+    # -- configuration, weights, optimizer
     if resume:
         config = json.loads((out / "config.json").read_text())
+        state = json.loads((state_dir / "state.json").read_text())
+        if state.get("backend", "mlx") != backend:
+            raise ValueError(f"{out} was trained with backend={state.get('backend', 'mlx')!r}; "
+                             f"resume it with that backend (the optimizer state is per backend)")
     else:
         mask_id = mask_token_id if mask_token_id is not None else default_mask_token_id(tokenizer, vocab)
         config = drafter_config_for(target, layers=layers, block_size=block_size,
@@ -491,24 +629,25 @@ def train_dflash(
     bs = args.block_size
     gamma = gamma if gamma is not None else default_gamma(bs)
     warmup = warmup if warmup is not None else min(100, steps // 10)
-    model = DFlashModel(args)
-    optimizer = optim.AdamW(_schedule(lr, warmup, steps), weight_decay=weight_decay)
-    embed, head = target_embedding(target), target_head(target)
-
+    vocab_file = state_dir / "loss_vocab.safetensors"
+    scale_file = state_dir / "feature_scale.safetensors"
     if resume:
-        state = json.loads((state_dir / "state.json").read_text())
-        model.load_weights(list(mx.load(str(state_dir / "params.safetensors")).items()))
-        optimizer.init(model.trainable_parameters())
-        optimizer.state = _load_tree(state_dir / "optimizer.safetensors")
-        inv_scale = mx.load(str(state_dir / "feature_scale.safetensors")).get("inv_scale")
+        weights = dict(mx.load(str(state_dir / "params.safetensors")))
+        loss_ids = mx.load(str(vocab_file))["ids"].tolist() if vocab_file.is_file() else None
+        inv_scale = mx.load(str(scale_file)).get("inv_scale")
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]
         step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
     else:
         mx.random.seed(seed)
-        model = DFlashModel(args)
+        fresh = DFlashModel(args)
         if init == "target":
-            init_from_target(model, target)
+            init_from_target(fresh, target)
+        weights = dict(tree_flatten(fresh.parameters()))
+        loss_ids = None
+        if loss_vocab and loss_vocab < vocab:
+            loss_ids = frequent_tokens((store[i] for i in train_ids), vocab, loss_vocab,
+                                       always=eos_ids(tokenizer))
         inv_scale = None
         if normalize_features:
             sq, count = 0.0, 0
@@ -521,20 +660,34 @@ def train_dflash(
         rng = np.random.default_rng(seed)
         step, epoch, cursor = 0, 0, 0
         state = {"log": []}
-    mx.eval(model.parameters())
+    options = dict(schedule=_schedule(lr, warmup, steps), weight_decay=weight_decay,
+                   grad_clip=grad_clip, gamma=gamma, loss_ids=loss_ids, inv_scale=inv_scale)
+    if backend == "mlx":
+        math = MLXDFlashTraining(target, args, weights, **options)
+    elif backend == "torch":
+        from ..torch_backend.dflash_training import TorchDFlashTraining
+
+        math = TorchDFlashTraining(torch_target, args, weights, device=device, **options)
+    else:
+        raise ValueError(f"backend must be 'mlx' or 'torch', got {backend!r}")
+    if resume:
+        math.load_optimizer(state_dir)
 
     def save():
         state_dir.mkdir(parents=True, exist_ok=True)
-        write_checkpoint(out, config, model, inv_scale)
-        _save_tree(state_dir / "params.safetensors", model.parameters(), state_dir)
-        _save_tree(state_dir / "optimizer.safetensors", optimizer.state, state_dir)
-        _atomic_save_safetensors(state_dir / "feature_scale.safetensors",
-                                 {"inv_scale": inv_scale} if inv_scale is not None else
-                                 {"__none__": mx.zeros(1)})
+        current = math.weights()
+        write_checkpoint(out, config, current, inv_scale)
+        _atomic_save_safetensors(state_dir / "params.safetensors", current, tmp_dir=state_dir)
+        math.save_optimizer(state_dir)
+        if loss_ids is not None:
+            _atomic_save_safetensors(vocab_file, {"ids": mx.array(loss_ids, dtype=mx.int32)})
+        _atomic_save_safetensors(scale_file, {"inv_scale": inv_scale} if inv_scale is not None
+                                 else {"__none__": mx.zeros(1)})
         _atomic_write_text(state_dir / "state.json", json.dumps({
             "step": step, "epoch": epoch, "cursor": cursor, "rng": rng.bit_generator.state,
             "steps": steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
-            "gamma": gamma, "lr": lr, "log": state["log"][-1000:],
+            "gamma": gamma, "lr": lr, "backend": backend, "loss_vocab": loss_vocab,
+            "log": state["log"],
         }, indent=1))
 
     def next_sequence():
@@ -554,30 +707,9 @@ def train_dflash(
             lo, hi = max(prompt_len - 1, 0), len(tokens) - 1  # anchors in [lo, hi)
             n = min(anchors, hi - lo)
             chosen = np.sort(rng.choice(np.arange(lo, hi), size=n, replace=False))
-            feats = target_features(target, tokens, ids)
-            if inv_scale is not None:
-                feats = feats * inv_scale
-            batch.append((feats, mx.array(tokens, dtype=mx.int32), mx.array(chosen, dtype=mx.int32)))
+            batch.append((math.features(tokens), tokens, chosen))
             block_count += n * bs
         return batch, block_count
-
-    def loss_fn(batch):
-        total = weight = correct = 0
-        for feats, tokens, chosen in batch:
-            t, w, c = block_loss(model, feats, tokens, chosen, embed_tokens=embed, lm_head=head,
-                                 gamma=gamma)
-            total, weight, correct = total + t, weight + w, correct + c
-        return total / weight, correct
-
-    grad_fn = nn.value_and_grad(model, loss_fn)
-
-    def train_step(batch):
-        (loss, correct), grads = grad_fn(batch)
-        if grad_clip:
-            grads, _ = optim.clip_grad_norm(grads, grad_clip)
-        optimizer.update(model, grads)
-        mx.eval(loss, correct, model.parameters(), optimizer.state)
-        return loss.item(), correct.item()
 
     result = TrainResult(out=out, step=step)
     last_tau = next((e["tau"] for e in reversed(state["log"]) if "tau" in e), None)
@@ -594,19 +726,22 @@ def train_dflash(
         while step < end:
             t0 = time.perf_counter()
             batch, n_tokens = make_batch()
-            loss, correct = train_step(batch)
+            loss, correct = math.step(batch)
             seconds = time.perf_counter() - t0
             step += 1
             timed_tokens += n_tokens
             timed_seconds += seconds
-            entry = {"step": step, "loss": loss, "block_tokens_per_s": n_tokens / seconds,
-                     "slot1_acc": correct / max(n_tokens // bs, 1)}
+            entry = {"step": step, "loss": round(loss, 5),
+                     "block_tokens_per_s": round(n_tokens / seconds, 1),
+                     "slot1_acc": round(correct / max(n_tokens // bs, 1), 4),
+                     "trained_tokens": (state["log"][-1]["trained_tokens"] if state["log"] else 0)
+                     + n_tokens // bs}
             result.losses.append((step, loss))
             if eval_every and heldout_prompts and (step % eval_every == 0 or step == end):
-                drafter = export_drafter(model, inv_scale, target)
+                drafter = export_drafter(args, math.weights(), inv_scale, target)
                 last_tau = heldout_tau(target, drafter, heldout_prompts, tokenizer=tokenizer,
                                        max_tokens=eval_max_tokens)
-                entry["tau"] = last_tau
+                entry["tau"] = round(last_tau, 4)
                 result.taus.append((step, last_tau))
             state["log"].append(entry)
             if bar:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# How the shipped DFlash drafter for SmolLM2-135M-Instruct was made (docs/dflash-training.md).
+# Resumable: run it again after a stop and it continues (data, then training, from the last save).
+# Usage: bash benchmarks/train_smollm2_dflash.sh [STEPS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
+steps="${1:-3000}"
+out=runs/dflash-smollm2
+resume=()
+[[ -f $out/train_state/state.json ]] && resume=(--resume)
+# Responses: the target's own greedy answers to ShareGPT prompts (batched, torch: 2x MLX here);
+# their token ids are committed in data/dflash-smollm2/responses.
+# Training: torch steps (3x MLX on this CPU), one drafter layer started from the target's last,
+# conditioned on target layers 1, 14, 27; the loss over the 8192 most frequent response tokens.
+.venv/bin/mlxspec train dflash --prompts sharegpt --num-prompts "${NUM_PROMPTS:-1100}" \
+  --data-dir data/dflash-smollm2/responses --heldout 16 --max-new-tokens 256 \
+  --generate-with torch --backend torch --out $out --layers 1 --block-size 16 \
+  --target-layer-ids 1,14,27 --loss-vocab 8192 --anchors 256 --steps "$steps" --lr 6e-4 \
+  --warmup 50 --eval-every 150 --eval-max-tokens 64 --save-every 25 "${resume[@]}"
