@@ -9,10 +9,12 @@ out=docs/results
 mkdir -p "$out"
 mlxspec=.venv/bin/mlxspec
 
-# Default target, OpenBLAS: plain vs prompt lookup vs mlx-lm, three suites, greedy and T=1.
-$mlxspec bench --drafters none,lookup --suite humaneval,mtbench,copy --temp 0,1 --limit 4 \
-  --max-tokens 96 --out $out/smollm2-cpu-openblas.json --markdown $out/smollm2-cpu-openblas.md \
-  --plot $out/smollm2-cpu-openblas.png
+# Default target, OpenBLAS: plain vs prompt lookup vs the shipped DFlash drafter vs mlx-lm, three
+# suites, greedy and T=1; name@15 runs a drafter at a fixed 15 drafts (its full tau) beside the
+# adaptive K.
+$mlxspec bench --drafters none,lookup,dflash,lookup@15,dflash@15 --suite humaneval,mtbench,copy \
+  --temp 0,1 --limit 3 --max-tokens 64 --out $out/smollm2-cpu-openblas.json \
+  --markdown $out/smollm2-cpu-openblas.md --plot $out/smollm2-cpu-openblas.png
 
 # The same with MLX's bundled reference BLAS (shorter: it is far slower).
 MLXSPEC_BLAS=reference $mlxspec bench --drafters none,lookup --suite copy --temp 0 --limit 2 \
@@ -21,7 +23,7 @@ MLXSPEC_BLAS=reference $mlxspec bench --drafters none,lookup --suite copy --temp
 
 if [[ "${1:-}" == "qwen" ]]; then
   # A real target / draft pair with one tokenizer: ours vs mlx-lm's --draft-model.
-  $mlxspec bench --model "$QWEN15" --draft-model "$QWEN05" --drafters none,draft --suite humaneval \
+  $mlxspec bench --model "$QWEN15" --draft-model "$QWEN05" --drafters none,draft,draft@4 --suite humaneval \
     --temp 0,1 --limit 2 --max-tokens 48 --mlx-lm-num-draft 4 \
     --out $out/qwen-coder-pair-cpu-openblas.json --markdown $out/qwen-coder-pair-cpu-openblas.md \
     --plot $out/qwen-coder-pair-cpu-openblas.png

@@ -5,16 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
-steps="${1:-3000}"
+steps="${1:-1150}"
 out=runs/dflash-smollm2
 resume=()
 [[ -f $out/train_state/state.json ]] && resume=(--resume)
 # Responses: the target's own greedy answers to ShareGPT prompts (batched, torch: 2x MLX here);
-# their token ids are committed in data/dflash-smollm2/responses.
+# their token ids are committed in data/dflash-smollm2/responses (all of the store is used).
 # Training: torch steps (3x MLX on this CPU), one drafter layer started from the target's last,
-# conditioned on target layers 1, 14, 27; the loss over the 8192 most frequent response tokens.
-.venv/bin/mlxspec train dflash --prompts sharegpt --num-prompts "${NUM_PROMPTS:-1100}" \
+# conditioned on target layers 1, 14, 27; the loss over the 8192 most frequent response tokens;
+# held-out tau on 8 ShareGPT prompts never trained on.
+.venv/bin/mlxspec train dflash --prompts sharegpt --num-prompts "${NUM_PROMPTS:-400}" \
   --data-dir data/dflash-smollm2/responses --heldout 16 --max-new-tokens 256 \
   --generate-with torch --backend torch --out $out --layers 1 --block-size 16 \
-  --target-layer-ids 1,14,27 --loss-vocab 8192 --anchors 256 --steps "$steps" --lr 6e-4 \
-  --warmup 50 --eval-every 150 --eval-max-tokens 64 --save-every 25 "${resume[@]}"
+  --target-layer-ids 1,14,27 --loss-vocab 8192 --anchors 256 --steps "$steps" --lr 1e-3 \
+  --warmup 50 --eval-every 200 --eval-prompts 8 --eval-max-tokens 48 --save-every 25 \
+  "${resume[@]}"

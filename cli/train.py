@@ -51,8 +51,12 @@ def train():
               help="Longest generated response.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Where the response token ids are cached (default: OUT/data).")
-@click.option("--init", type=click.Choice(["target", "random"]), default="target",
-              show_default=True, help="Start drafter layers as copies of the target's last layers.")
+@click.option("--init", default="target", show_default=True,
+              help="'target': drafter layers start as copies of the target's last layers; "
+                   "'random'; or a DFlash checkpoint directory to continue training from (e.g. "
+                   "the shipped one, with a fresh optimizer and its own config).")
+@click.option("--init-final-norm", is_flag=True,
+              help="With --init target: also start the drafter's final norm as the target's.")
 @click.option("--loss-vocab", type=int, default=None,
               help="Train against the N most frequent response tokens' head rows only "
                    "(cheaper steps; inference keeps the full head). Default: the full vocabulary.")
@@ -61,12 +65,14 @@ def train():
               help="Backend that writes the target's responses (batched; torch is ~2x faster on "
                    "CPU; needs mlxspec[torch]).")
 @click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
-              help="Where the training steps run: MLX, or torch (same checkpoint; ~3x faster "
+              help="Where the training steps run: MLX, or torch (same checkpoint; ~2.5x faster "
                    "on a Linux CPU, CUDA with --device; needs mlxspec[torch]).")
 @click.option("--device", default=None, help="torch device for --backend torch (cuda, cpu).")
 @click.option("--generate-batch-size", type=int, default=32, show_default=True)
 @click.option("--eval-every", type=int, default=200, show_default=True)
 @click.option("--eval-max-tokens", type=int, default=64, show_default=True)
+@click.option("--eval-prompts", type=int, default=None,
+              help="Measure tau on the first N held-out prompts only (default: all).")
 @click.option("--save-every", type=int, default=50, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
@@ -74,8 +80,9 @@ def train():
               help="Target weights dtype when converting a .gguf or HF model on first use.")
 def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, resume, lr, warmup,
            anchors, batch_size, max_seq_len, num_prompts, heldout, responses, max_new_tokens,
-           data_dir, init, loss_vocab, generate_with, backend, device, generate_batch_size,
-           eval_every, eval_max_tokens, save_every, seed, dtype):
+           data_dir, init, init_final_norm, loss_vocab, generate_with, backend, device,
+           generate_batch_size,
+           eval_every, eval_max_tokens, eval_prompts, save_every, seed, dtype):
     """Train a DFlash drafter for TARGET on PROMPTS; resumable with --resume."""
     from mlxspec.loading import load
     from mlxspec.training import train_dflash
@@ -98,8 +105,10 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
             anchors=anchors, batch_size=batch_size, max_seq_len=max_seq_len,
             num_prompts=num_prompts, heldout=heldout, responses=responses,
             max_new_tokens=max_new_tokens, data_dir=data_dir, init=init, eval_every=eval_every,
-            eval_max_tokens=eval_max_tokens, save_every=save_every, seed=seed,
-            loss_vocab=loss_vocab, generator=generator, generate_batch_size=generate_batch_size,
+            eval_max_tokens=eval_max_tokens, eval_prompts=eval_prompts, save_every=save_every,
+            seed=seed,
+            loss_vocab=loss_vocab, init_final_norm=init_final_norm, generator=generator,
+            generate_batch_size=generate_batch_size,
             backend=backend, torch_target=torch_model if backend == "torch" else None,
             device=device,
         )

@@ -9,6 +9,7 @@ BLAS (to measure both ways).
 import ctypes
 import os
 import sys
+from contextlib import contextmanager
 
 _CANDIDATES = (
     "libopenblas.so.0",
@@ -18,6 +19,7 @@ _CANDIDATES = (
 )
 
 _blas_in_use = None
+_openblas = None  # the loaded library, for its thread-count calls
 
 
 def preload_openblas() -> str:
@@ -37,9 +39,11 @@ def preload_openblas() -> str:
         _blas_in_use = "bundled reference BLAS (OpenBLAS not found: apt-get install libopenblas0-pthread)"
         for name in _CANDIDATES:
             try:
-                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+                lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
+            global _openblas
+            _openblas = lib
             _blas_in_use = f"OpenBLAS ({name})"
             break
     return _blas_in_use
@@ -47,3 +51,19 @@ def preload_openblas() -> str:
 
 def blas_in_use() -> str:
     return preload_openblas()
+
+
+@contextmanager
+def openblas_single_thread():
+    """Run torch code with OpenBLAS on one thread. Loaded globally for MLX, OpenBLAS also
+    answers some of libtorch's BLAS calls (sgemv); its own threads then spin against torch's
+    OpenMP threads: a torch training step ran 3.5x slower (py-spy: sched_yield, libgomp)."""
+    if _openblas is None:
+        yield
+        return
+    before = _openblas.openblas_get_num_threads()
+    _openblas.openblas_set_num_threads(1)
+    try:
+        yield
+    finally:
+        _openblas.openblas_set_num_threads(before)

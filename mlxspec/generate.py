@@ -162,6 +162,9 @@ def stream_generate(
         adaptive=adaptive,
     )
 
+    if backend == "torch":
+        tokens = _blas_single_threaded(tokens)
+
     def response(token, from_draft, n, finish_reason=None):
         elapsed = time.perf_counter() - gen_start
         return GenerationResponse(
@@ -210,6 +213,19 @@ def stream_generate(
     finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
         if reuse:
             prompt_cache.remember(prompt_tokens + output)
+
+
+def _blas_single_threaded(steps):
+    """Each step of a torch-backend loop with OpenBLAS on one thread (see
+    `_blas.openblas_single_thread`); restored between steps, so the caller's MLX code is not."""
+    from ._blas import openblas_single_thread
+
+    while True:
+        with openblas_single_thread():
+            item = next(steps, None)
+        if item is None:
+            return
+        yield item
 
 
 def generate(model, tokenizer, prompt, max_tokens: int = 256, *, verbose: bool = False, **kwargs):

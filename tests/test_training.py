@@ -219,3 +219,36 @@ def test_reduced_loss_vocabulary(target):
     # labels at positions 2..6; the single 5 (position 3) is seen by anchors 1 and 2
     decay = np.exp(-np.arange(3) / 7.0)
     assert abs(float(full_weight) - float(sub_weight) - (decay[1] + decay[0])) < 1e-5
+
+
+def test_packaged_drafter_is_found_for_its_target_only(target, tmp_path, monkeypatch):
+    """package_drafter writes a bf16 drafter + target.json; `load_drafter("dflash")` without a
+    path finds it for that target (and decodes losslessly), and refuses a same-shaped other."""
+    import mlxspec
+    import mlxspec.drafters.dflash as dflash_module
+    from mlxspec.training.dflash_trainer import package_drafter
+
+    _train(target, tmp_path / "run", steps=2)
+    dest = package_drafter(tmp_path / "run", tmp_path / "trained" / "tiny", target)
+    assert mx.load(str(dest / "model.safetensors"))["fc.weight"].dtype == mx.bfloat16
+    monkeypatch.setattr(dflash_module, "TRAINED_DIR", tmp_path / "trained")
+    drafter = mlxspec.load_drafter("dflash", model=target, tokenizer=None)
+    assert drafter.model.fc.weight.dtype == mx.float32  # cast to the target's dtype
+    plain, spec = _plain_and_spec(target, drafter, [1, 2, 3])
+    assert spec == plain
+    other = tiny_llama(vocab=VOCAB, hidden=32, layers=4, seed=7, sharpness=3.0)
+    with pytest.raises(ValueError, match="ships one only"):
+        mlxspec.load_drafter("dflash", model=other, tokenizer=None)
+
+
+def test_training_continues_from_a_checkpoint(target, tmp_path):
+    """--init DIR starts from a trained drafter (its config, its weights with the feature scale
+    unfolded): before any step the new run's checkpoint is the old one."""
+    _train(target, tmp_path / "first", steps=3)
+    _train(target, tmp_path / "second", steps=3, stop_after=0, init=str(tmp_path / "first"),
+           layers=2)  # the checkpoint's config wins over layers=2
+    a = mx.load(str(tmp_path / "first" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "second" / "model.safetensors"))
+    assert set(a) == set(b) and max(float(mx.abs(a[k] - b[k]).max()) for k in a) < 1e-5
+    with pytest.raises(ValueError, match="checkpoint directory"):
+        _train(target, tmp_path / "third", init=str(tmp_path / "nothing"))

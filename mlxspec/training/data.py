@@ -308,7 +308,9 @@ def _torch_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eo
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
     starts = torch.tensor([longest - len(p) for p in prompts], device=device)
     attention = (torch.arange(longest, device=device)[None] >= starts[:, None]).long()
-    with torch.inference_mode():
+    from .._blas import openblas_single_thread
+
+    with torch.inference_mode(), openblas_single_thread():
         out = model.generate(input_ids=ids, attention_mask=attention, do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=0,
                              eos_token_id=sorted(eos) or None)

@@ -39,13 +39,21 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..drafters.dflash import (
     DFlashDrafter,
     _target_inner,
+    check_against_target,
     target_embedding,
     target_final_norm,
     target_head,
     target_sizes,
 )
 from ..hidden_states import capture_layer_outputs, concat_features, decoder_layers
-from ..models.dflash import ARCHITECTURE, DFlashConfig, DFlashModel, build_target_layer_ids
+from ..models.dflash import (
+    ARCHITECTURE,
+    DFlashConfig,
+    DFlashModel,
+    build_target_layer_ids,
+    check_weights,
+    read_weights,
+)
 from .data import (
     SequenceStore,
     _atomic_save_safetensors,
@@ -136,10 +144,11 @@ def drafter_config_for(
     return config
 
 
-def init_from_target(model: DFlashModel, target, source_layers=None) -> list[int]:
+def init_from_target(model: DFlashModel, target, source_layers=None, *,
+                     final_norm: bool = False) -> list[int]:
     """Copy target decoder layers (default: the last N) into the drafter's N layers wherever
-    names and shapes agree (q_norm/k_norm, fc and the norms keep their fresh values); returns
-    the layers used."""
+    names and shapes agree (q_norm/k_norm, fc and hidden_norm keep their fresh values), and with
+    `final_norm` the target's final norm into the drafter's `norm`; returns the layers used."""
     t_layers = decoder_layers(target)
     n = len(model.layers)
     source_layers = list(source_layers) if source_layers else list(range(len(t_layers) - n, len(t_layers)))
@@ -149,8 +158,12 @@ def init_from_target(model: DFlashModel, target, source_layers=None) -> list[int
         for name, w in tree_flatten(t_layers[j].parameters()):
             if name in ours and ours[name].shape == w.shape:
                 updates.append((f"layers.{i}.{name}", w.astype(ours[name].dtype)))
-    # The final `norm` stays at ones: copying the target's final norm tripled the initial loss
-    # on SmolLM2 (27.5 vs 16.6 nats; random layers: 42).
+    # The drafter reads the target's LM head, which expects the target's final norm (SmolLM2:
+    # per-dimension weights from -2.1 to 3.3, mean 1.8). Left at ones, Adam moves them ~lr a
+    # step (they had moved 0.1 after 400 steps); copied, the initial loss is higher (27.5 vs
+    # 16.6 nats on SmolLM2) but the logits have the target's scale from the start.
+    if final_norm and target_final_norm(target) is not None:
+        updates.append(("norm.weight", target_final_norm(target).weight.astype(model.norm.weight.dtype)))
     model.load_weights(updates, strict=False)
     return source_layers
 
@@ -366,6 +379,28 @@ def write_checkpoint(out: Path, config: dict, weights: dict, inv_scale) -> None:
     _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
 
 
+def package_drafter(run_dir, dest, target, *, dtype=mx.bfloat16, notes: dict | None = None) -> Path:
+    """Copy a trained checkpoint into `dest` as a shippable drafter: config.json, the weights in
+    `dtype` (bf16 halves the size; loading casts to the target's dtype) and target.json, which
+    names the target it was trained for (sizes and embedding checksum) so that
+    `--drafter dflash` finds it for that target only."""
+    from ..drafters.dflash import embedding_checksum
+
+    run_dir, dest = Path(run_dir), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) for k, v in mx.load(str(run_dir / "model.safetensors")).items()}
+    _atomic_save_safetensors(dest / "model.safetensors", weights)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
+    _atomic_write_text(dest / "config.json", json.dumps(config, indent=2) + "\n")
+    hidden, vocab, layers = target_sizes(target)
+    _atomic_write_text(dest / "target.json", json.dumps({
+        "hidden_size": hidden, "vocab_size": vocab, "num_layers": layers,
+        "embedding_checksum": embedding_checksum(target), **(notes or {}),
+    }, indent=2) + "\n")
+    return dest
+
+
 # ---- τ on held-out prompts ---------------------------------------------------------------------
 
 
@@ -546,6 +581,7 @@ def train_dflash(
     heldout: int = 8,
     eval_every: int = 200,
     eval_max_tokens: int = 64,
+    eval_prompts: int | None = None,
     save_every: int = 50,
     responses: str = "target",
     data_dir=None,
@@ -556,6 +592,7 @@ def train_dflash(
     seed: int = 0,
     stop_after: int | None = None,
     loss_vocab: int | None = None,
+    init_final_norm: bool = False,
     backend: str = "mlx",
     torch_target=None,
     device=None,
@@ -576,7 +613,7 @@ def train_dflash(
     only (`SubsetHead`; ~4x cheaper steps on SmolLM2); the checkpoint still uses the full head.
     `generator`: the model that writes the responses (default the target; see `prepare_data`).
     `backend="torch"`: the training steps run in torch on `torch_target` (the same weights as a
-    transformers model, `mlxspec.load(..., backend="torch")`; ~3x faster on this CPU, and CUDA
+    transformers model, `mlxspec.load(..., backend="torch")`; ~2.5x faster on this CPU, and CUDA
     with `device`); the checkpoint, the data and the held-out τ (measured on the MLX target)
     are the same. A run resumes on the backend it started with.
     """
@@ -592,8 +629,12 @@ def train_dflash(
 
         torch_target = load(target, backend="torch", device=device)[0]
     target, tokenizer = _resolve_target(target, tokenizer)
+    start_from = None
     if init not in ("target", "random"):
-        raise ValueError(f"init must be 'target' or 'random', got {init!r}")
+        start_from = Path(init).expanduser()
+        if not (start_from / "config.json").is_file():
+            raise ValueError(f"init must be 'target', 'random' or a DFlash checkpoint directory; "
+                             f"{init!r} has no config.json")
     if resume and not (state_dir / "state.json").is_file():
         raise FileNotFoundError(f"{out} has no training state to resume ({STATE_DIR}/state.json)")
     if not resume and (state_dir / "state.json").is_file():
@@ -610,7 +651,8 @@ def train_dflash(
                  if min(len(store[i][0]), max_seq_len) - max(store[i][1] - 1, 0) >= 2]
     if not train_ids:
         raise ValueError("no training sequence has a response to learn from")
-    heldout_prompts = [encode_prompt(tokenizer, p)[-max_prompt_tokens:] for p, _ in heldout_examples]
+    heldout_prompts = [encode_prompt(tokenizer, p)[-max_prompt_tokens:]
+                       for p, _ in heldout_examples[:eval_prompts]]
 
     # -- configuration, weights, optimizer
     if resume:
@@ -619,6 +661,10 @@ def train_dflash(
         if state.get("backend", "mlx") != backend:
             raise ValueError(f"{out} was trained with backend={state.get('backend', 'mlx')!r}; "
                              f"resume it with that backend (the optimizer state is per backend)")
+    elif start_from is not None:  # continue a trained drafter (its config wins)
+        config = json.loads((start_from / "config.json").read_text())
+        config["torch_dtype"] = "float32"
+        check_against_target(DFlashConfig.from_dict(config), target)
     else:
         mask_id = mask_token_id if mask_token_id is not None else default_mask_token_id(tokenizer, vocab)
         config = drafter_config_for(target, layers=layers, block_size=block_size,
@@ -642,8 +688,11 @@ def train_dflash(
         mx.random.seed(seed)
         fresh = DFlashModel(args)
         if init == "target":
-            init_from_target(fresh, target)
+            init_from_target(fresh, target, final_norm=init_final_norm)
         weights = dict(tree_flatten(fresh.parameters()))
+        if start_from is not None:
+            weights = {k: v.astype(mx.float32) for k, v in read_weights(start_from).items()}
+            check_weights(args, weights)
         loss_ids = None
         if loss_vocab and loss_vocab < vocab:
             loss_ids = frequent_tokens((store[i] for i in train_ids), vocab, loss_vocab,
@@ -657,6 +706,8 @@ def train_dflash(
                 count += f.shape[0]
             inv_scale = 1.0 / mx.maximum(mx.sqrt(sq / count), 1e-3)
             mx.eval(inv_scale)
+            if start_from is not None:  # its fc has a scale folded in: train on the unfolded one
+                weights["fc.weight"] = weights["fc.weight"] / inv_scale[None]
         rng = np.random.default_rng(seed)
         step, epoch, cursor = 0, 0, 0
         state = {"log": []}
@@ -734,7 +785,7 @@ def train_dflash(
             entry = {"step": step, "loss": round(loss, 5),
                      "block_tokens_per_s": round(n_tokens / seconds, 1),
                      "slot1_acc": round(correct / max(n_tokens // bs, 1), 4),
-                     "trained_tokens": (state["log"][-1]["trained_tokens"] if state["log"] else 0)
+                     "trained_blocks": (state["log"][-1]["trained_blocks"] if state["log"] else 0)
                      + n_tokens // bs}
             result.losses.append((step, loss))
             if eval_every and heldout_prompts and (step % eval_every == 0 or step == end):
