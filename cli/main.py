@@ -65,11 +65,6 @@ def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None
         raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
     if drafter == "draft" and not draft_model:
         raise click.BadParameter("--drafter draft needs --draft-model", param_hint="--draft-model")
-    if drafter == "dflash" and not draft_model:
-        raise click.UsageError(
-            "--drafter dflash needs --drafter-model: a DFlash drafter trained for this target. "
-            "None ships for the default SmolLM2 target yet; use --drafter lookup meanwhile."
-        )
     if draft_model and drafter not in ("draft", "dflash"):
         raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
     if block_size is not None and drafter != "dflash":

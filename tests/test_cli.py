@@ -149,6 +149,18 @@ def test_generate_draft_model(plain, smollm_first_layers):
 
 
 @slow
+def test_generate_with_the_shipped_dflash_drafter(plain):
+    """`--drafter dflash` with no checkpoint: the drafter trained for SmolLM2 that ships in the
+    package; greedy output is the plain text (that its drafts get accepted is checked over 20
+    prompts in test_real_greedy_identity)."""
+    r = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter", "dflash",
+                  "--fixed-k", "--verbose"))
+    assert r.stdout == plain.stdout
+    assert re.search(r"^Drafter: dflash \(up to 15 drafts per step\)$", r.stderr, re.M), r.stderr
+    assert re.search(r"^Target passes: \d+, drafted: \d+, accepted: \d+", r.stderr, re.M)
+
+
+@slow
 def test_generate_prompt_from_stdin(plain):
     r = ok(invoke("generate", "--prompt", "-", "--max-tokens", N, input=QUESTION))
     assert r.stdout == plain.stdout
