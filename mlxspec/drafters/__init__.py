@@ -24,6 +24,8 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
         return PromptLookupDrafter(**options)
     if kind == "dflash" and path is None:
         path = shipped_drafter_path(model)
+        if backend_of(model) == "mlx":
+            options.setdefault("dtype", "target")  # stored in bf16 to keep the package small
         if path is None:
             raise ValueError(
                 "the dflash drafter needs a drafter checkpoint trained for this target "

@@ -221,12 +221,14 @@ def shipped_drafter_for(model) -> Path | None:
     return find_shipped_drafter(target_sizes(model), lambda: embedding_checksum(model))
 
 
-def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None) -> DFlashDrafter:
+def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
+                        dtype=None) -> DFlashDrafter:
     """Load a DFlash checkpoint for target `model`: a directory with config.json and
     *.safetensors, or a Hub repo id (through the Hugging Face cache; HF_HUB_OFFLINE applies).
 
     Everything is checked before any compute: the config against the target, then every weight
     name and shape against the config. `tokenizer` is accepted for symmetry with other drafters.
+    `dtype`: None runs the checkpoint's dtype, "target" the target's, or an mx.Dtype.
     """
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -238,9 +240,11 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     check_block_size(block_size, args.block_size)
     weights = read_weights(path)
     drafter_model = check_weights(args, weights)
-    compute = _dtype_of(target_head(model))  # a bf16/fp16 checkpoint runs at the target's dtype
-    weights = {k: v.astype(compute) if mx.issubdtype(v.dtype, mx.floating) else v
-               for k, v in weights.items()}
+    if dtype == "target":  # e.g. a bf16-stored drafter on an fp32 CPU target
+        dtype = _dtype_of(target_head(model))
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+                   for k, v in weights.items()}
     drafter_model.load_weights(list(weights.items()))
     drafter_model.eval()
     embed = getattr(drafter_model, "embed_tokens", None)
