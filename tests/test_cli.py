@@ -314,7 +314,7 @@ def test_chat_ctrl_c_in_real_process():
         pytest.skip(f"console script not installed at {SCRIPT}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [str(SCRIPT), "chat", "--max-tokens", "200", "--no-color"],
+        [str(SCRIPT), "chat", "--max-tokens", "2000", "--no-color"],  # long: SIGINT lands mid-reply
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )
     out, err = _Reader(proc.stdout), _Reader(proc.stderr)
