@@ -730,10 +730,6 @@ def train_dflash(
         write_checkpoint(out, config, current, inv_scale)
         _atomic_save_safetensors(state_dir / "params.safetensors", current, tmp_dir=state_dir)
         math.save_optimizer(state_dir)
-        if loss_ids is not None:
-            _atomic_save_safetensors(vocab_file, {"ids": mx.array(loss_ids, dtype=mx.int32)})
-        _atomic_save_safetensors(scale_file, {"inv_scale": inv_scale} if inv_scale is not None
-                                 else {"__none__": mx.zeros(1)})
         _atomic_write_text(state_dir / "state.json", json.dumps({
             "step": step, "epoch": epoch, "cursor": cursor, "rng": rng.bit_generator.state,
             "steps": steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
@@ -772,7 +768,12 @@ def train_dflash(
         bar = tqdm(total=steps, initial=step, desc="train dflash", unit="step")
     timed_tokens, timed_seconds = 0, 0.0
     try:
-        if not resume:
+        if not resume:  # the loss vocabulary and feature scale are fixed for the whole run
+            state_dir.mkdir(parents=True, exist_ok=True)
+            if loss_ids is not None:
+                _atomic_save_safetensors(vocab_file, {"ids": mx.array(loss_ids, dtype=mx.int32)})
+            _atomic_save_safetensors(scale_file, {"inv_scale": inv_scale} if inv_scale is not None
+                                     else {"__none__": mx.zeros(1)})
             save()
         while step < end:
             t0 = time.perf_counter()
