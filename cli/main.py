@@ -1,5 +1,6 @@
 """`mlxspec` command line: a thin layer over the Python API."""
 
+import os
 import sys
 
 import click
@@ -106,6 +107,15 @@ def build_prompt(tokenizer, messages, no_chat_template):
     if no_chat_template or getattr(tokenizer, "chat_template", None) is None:
         return "\n".join(m["content"] for m in messages)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _gguf_of(model) -> str | None:
+    """The GGUF file a model reference loads from (the default model's too), else None."""
+    from mlxspec.loading import default_gguf_path
+
+    if model is None:
+        return str(default_gguf_path())
+    return model if str(model).endswith(".gguf") and os.path.isfile(model) else None
 
 
 def _messages(system, history):
@@ -278,14 +288,21 @@ def _csv(kind):
               help="Also run mlx-lm (plain, and --draft-model) on the same prompts "
                    "(default: on with --backend mlx; not available with --backend torch).")
 @click.option("--mlx-lm-num-draft", type=int, default=4, show_default=True)
+@click.option("--llama-cpp/--no-llama-cpp", "with_llama_cpp", default=True, show_default=True,
+              help="Also run llama.cpp (llama-cpp-python, if installed), plain and with its prompt "
+                   "lookup, on the model's GGUF file; reported as skipped where it cannot run.")
+@click.option("--llama-cpp-gguf", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="GGUF file for llama.cpp (default: the model's own, when it was loaded from one).")
+@click.option("--llama-cpp-num-draft", type=int, default=10, show_default=True,
+              help="Tokens llama.cpp's prompt lookup drafts per step.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
 @click.option("--markdown", default=None, type=click.Path(dir_okay=False),
               help="Also write the results table as Markdown.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
 def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, suites, temps,
-          max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft, out, markdown,
-          plot):
+          max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft, with_llama_cpp,
+          llama_cpp_gguf, llama_cpp_num_draft, out, markdown, plot):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark, save_report
@@ -332,7 +349,9 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, su
     report = run_benchmark(
         target, tokenizer, drafters=built, suites=suites, temps=temps, max_tokens=max_tokens,
         limit=limit, num_draft=num_draft, mlx_lm_draft_model=lm_draft,
-        mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, adaptive=adaptive,
+        mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, with_llama_cpp=with_llama_cpp,
+        llama_cpp_gguf=llama_cpp_gguf or _gguf_of(model), llama_cpp_num_draft=llama_cpp_num_draft,
+        adaptive=adaptive,
         progress=lambda line: click.echo(line, err=True),
     )
     report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"

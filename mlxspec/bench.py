@@ -10,11 +10,13 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import mlx.core as mx
 
 from . import _blas
-from .generate import stream_generate
+from .generate import encode_prompt, stream_generate
+from .peers import LlamaCppPeer, llama_cpp_missing
 from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
 
 SUITES = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts, "copy": copy_prompts}
@@ -38,6 +40,14 @@ class RunResult:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
+
+    def add_timing(self, n: int, start: float, first: float, end: float) -> None:
+        """One prompt's n tokens: TTFT, then tok/s over the tokens after the first."""
+        self.ttft.append(first - start)
+        if n > 1:
+            self.tokens += n - 1
+            self.seconds += end - first
+            self.tps_per_prompt.append((n - 1) / (end - first))
 
     @property
     def tps(self) -> float:
@@ -65,7 +75,7 @@ class RunResult:
         return d
 
 
-def _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp, seed, result,
+def _ours(model, tokenizer, prompt, max_tokens, temp, seed, result, *, drafter, num_draft,
           adaptive=True):
     start = time.perf_counter()
     first = last = None
@@ -75,7 +85,7 @@ def _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp, seed, 
             first = time.perf_counter()
     end = time.perf_counter()
     n = last.generation_tokens
-    _add(result, n, start, first, end)
+    result.add_timing(n, start, first, end)
     result.target_passes += last.target_passes
     result.drafted += last.drafted
     result.accepted += last.accepted
@@ -87,7 +97,7 @@ def _ours(model, tokenizer, prompt, max_tokens, drafter, num_draft, temp, seed, 
     result.peak_memory_gb = max(result.peak_memory_gb, last.peak_memory)
 
 
-def _mlx_lm(model, tokenizer, prompt, max_tokens, draft_model, num_draft, temp, seed, result):
+def _mlx_lm(model, tokenizer, prompt, max_tokens, temp, seed, result, *, draft_model, num_draft):
     from mlx_lm.generate import stream_generate as lm_stream
     from mlx_lm.sample_utils import make_sampler
 
@@ -104,19 +114,15 @@ def _mlx_lm(model, tokenizer, prompt, max_tokens, draft_model, num_draft, temp, 
             first = time.perf_counter()
         drafted_hits += bool(last.from_draft)
     end = time.perf_counter()
-    _add(result, last.generation_tokens, start, first, end)
+    result.add_timing(last.generation_tokens, start, first, end)
     # mlx-lm reports only which tokens came from drafts; each pass adds one target token.
     result.accepted += drafted_hits
     result.target_passes += last.generation_tokens - drafted_hits
     result.peak_memory_gb = max(result.peak_memory_gb, last.peak_memory)
 
 
-def _add(result, n, start, first, end):
-    result.ttft.append(first - start)
-    if n > 1:
-        result.tokens += n - 1
-        result.seconds += end - first
-        result.tps_per_prompt.append((n - 1) / (end - first))
+def _llama_cpp(peer, tokenizer, prompt, max_tokens, temp, seed, result):
+    peer.run(encode_prompt(tokenizer, prompt), max_tokens, temp, seed, result)
 
 
 def run_benchmark(
@@ -132,27 +138,52 @@ def run_benchmark(
     mlx_lm_draft_model=None,
     mlx_lm_num_draft: int = 4,
     with_mlx_lm: bool = True,
+    with_llama_cpp: bool = True,
+    llama_cpp_gguf: str | None = None,
+    llama_cpp_num_draft: int = 10,
     adaptive: bool = True,
     seed: int = 0,
     progress=print,
 ) -> dict:
     """`drafters` maps a label to a Drafter (or None for plain decoding); a label "name@K"
-    runs with a fixed K drafts per step, others with the adaptive K unless `adaptive` is off."""
+    runs with a fixed K drafts per step, others with the adaptive K unless `adaptive` is off.
+    Peers: mlx-lm on the same model object, llama.cpp on `llama_cpp_gguf` (the same weights'
+    GGUF); a peer that cannot run is listed under "skipped" with the reason."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
-    configs = [("mlxspec", name, drafter) for name, drafter in drafters.items()]
-    fixed = {name: fixed_k(name) for name in drafters}
+    configs, skipped = [], []
+    for name, drafter in drafters.items():
+        k = fixed_k(name)
+        configs.append(("mlxspec", name, partial(
+            _ours, model, tokenizer, drafter=drafter, num_draft=k or num_draft,
+            adaptive=adaptive and k is None)))
     if with_mlx_lm:
-        configs.append(("mlx-lm", "none", None))
+        configs.append(("mlx-lm", "none", partial(_mlx_lm, model, tokenizer, draft_model=None,
+                                                  num_draft=mlx_lm_num_draft)))
         if mlx_lm_draft_model is not None:
-            configs.append(("mlx-lm", "draft", mlx_lm_draft_model))
+            configs.append(("mlx-lm", "draft", partial(
+                _mlx_lm, model, tokenizer, draft_model=mlx_lm_draft_model,
+                num_draft=mlx_lm_num_draft)))
+    else:
+        skipped.append({"engine": "mlx-lm",
+                        "reason": "turned off" if _is_mlx(model) else "runs on MLX models only"})
+    if not with_llama_cpp:
+        missing = "turned off"
+    elif llama_cpp_gguf is None:
+        missing = "no GGUF file for this model (give one with --llama-cpp-gguf)"
+    else:
+        missing = llama_cpp_missing()
+    if missing:
+        skipped.append({"engine": "llama.cpp", "reason": missing})
+    else:
+        for name, lookup in (("none", 0), ("lookup", llama_cpp_num_draft)):
+            peer = LlamaCppPeer(llama_cpp_gguf, lookup_tokens=lookup)
+            configs.append(("llama.cpp", name, partial(_llama_cpp, peer, tokenizer)))
 
     # Warm-up: first calls compile kernels and fault weights in.
-    for engine, name, drafter in configs:
-        run = _ours if engine == "mlxspec" else _mlx_lm
-        run(model, tokenizer, "Hello", 4, drafter, num_draft if engine == "mlxspec" else mlx_lm_num_draft,
-            0.0, seed, RunResult(engine, name, "warmup", 0.0))
+    for engine, name, run in configs:
+        run(_chat(tokenizer, "Hello"), 4, 0.0, seed, RunResult(engine, name, "warmup", 0.0))
 
     results = []
     for suite in suites:
@@ -160,14 +191,8 @@ def run_benchmark(
         for temp in temps:
             row = {(e, n): RunResult(e, n, suite, temp) for e, n, _ in configs}
             for i, prompt in enumerate(prompts):
-                for engine, name, drafter in configs:
-                    if engine == "mlxspec":
-                        k = fixed[name]
-                        _ours(model, tokenizer, prompt, max_tokens, drafter, k or num_draft, temp,
-                              seed + i, row[engine, name], adaptive=adaptive and k is None)
-                    else:
-                        _mlx_lm(model, tokenizer, prompt, max_tokens, drafter, mlx_lm_num_draft,
-                                temp, seed + i, row[engine, name])
+                for engine, name, run in configs:
+                    run(prompt, max_tokens, temp, seed + i, row[engine, name])
                 progress(f"{suite} T={temp} prompt {i + 1}/{len(prompts)}: " + ", ".join(
                     f"{e}/{n} {r.tps:.1f} tok/s" for (e, n), r in row.items()))
             plain = {e: row[e, "none"].tps for e, n, _ in configs if (e, "none") in row}
@@ -180,10 +205,12 @@ def run_benchmark(
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "blas": _blas.blas_in_use(), "mlx": mx.__version__},
         "settings": {"suites": suites, "temps": temps, "max_tokens": max_tokens, "limit": limit,
-                     "num_draft": num_draft, "mlx_lm_num_draft": mlx_lm_num_draft, "seed": seed,
-                     "adaptive": adaptive},
+                     "num_draft": num_draft, "mlx_lm_num_draft": mlx_lm_num_draft,
+                     "llama_cpp_gguf": llama_cpp_gguf, "llama_cpp_num_draft": llama_cpp_num_draft,
+                     "seed": seed, "adaptive": adaptive},
         "verify_cost": verify_cost(model, tokenizer) if _is_mlx(model) else None,
         "results": results,
+        "skipped": skipped,
     }
 
 
@@ -240,6 +267,8 @@ def markdown_table(report: dict) -> str:
             f"{_pct(r['acceptance_rate'])} | {_f(r['ttft_mean'])} | {r['peak_memory_gb']:.2f} |"
         )
     lines = [head] + rows
+    for skip in report.get("skipped", []):
+        lines += ["", f"Skipped: {skip['engine']} ({skip['reason']})."]
     cost = report.get("verify_cost")
     if cost:
         lines += ["", "Target pass over n tokens vs one decode step (n = 1): " + ", ".join(

@@ -30,6 +30,37 @@ def test_bench_writes_results_table_and_plot(smollm_dir, tmp_path):
     assert rows["mlxspec", "lookup", 0.0]["drafted"] > 0  # the copy suite gives lookup matches
     assert "| copy | 0 | mlxspec | lookup |" in md.read_text()
     assert png.stat().st_size > 1000
+    # A model loaded from a directory has no GGUF for llama.cpp: reported, not faked.
+    assert {"engine": "llama.cpp", "reason": "no GGUF file for this model (give one with "
+            "--llama-cpp-gguf)"} in report["skipped"]
+    assert "Skipped: llama.cpp" in md.read_text()
+
+
+def test_bench_llama_cpp_peer_on_the_same_gguf(smollm_dir, tmp_path):
+    """llama.cpp plain and prompt lookup on the default model's GGUF, same prompts as ours; where
+    llama-cpp-python is not installed the report says so instead."""
+    from mlxspec.loading import default_gguf_path
+    from mlxspec.peers import llama_cpp_missing
+
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(smollm_dir), "--llama-cpp-gguf", str(default_gguf_path()),
+        "--drafters", "none", "--no-mlx-lm", "--suite", "copy", "--limit", "1",
+        "--max-tokens", "24", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    missing = llama_cpp_missing()
+    rows = {(r["engine"], r["drafter"]): r for r in report["results"]}
+    if missing:
+        assert {"engine": "llama.cpp", "reason": missing} in report["skipped"]
+        assert set(rows) == {("mlxspec", "none")}
+        return
+    assert set(rows) == {("mlxspec", "none"), ("llama.cpp", "none"), ("llama.cpp", "lookup")}
+    plain, lookup = rows["llama.cpp", "none"], rows["llama.cpp", "lookup"]
+    assert plain["tokens"] == 23 and plain["tau"] == pytest.approx(1.0)
+    assert plain["speedup"] == pytest.approx(1.0)
+    assert lookup["tokens"] == 23 and lookup["tau"] > 1.0  # the copy prompt repeats its text
 
 
 def test_bench_rejects_unknown_suite_and_missing_draft_model():
@@ -38,3 +69,5 @@ def test_bench_rejects_unknown_suite_and_missing_draft_model():
     assert result.exit_code != 0 and "unknown suite" in result.output
     result = runner.invoke(main, ["bench", "--drafters", "none,draft"])
     assert result.exit_code != 0 and "--draft-model" in result.output
+    result = runner.invoke(main, ["bench", "--llama-cpp-gguf", "/no/such.gguf"])
+    assert result.exit_code != 0 and "does not exist" in result.output
