@@ -9,21 +9,23 @@ out=docs/results
 mkdir -p "$out"
 mlxspec=.venv/bin/mlxspec
 
-# Default target, OpenBLAS: plain vs prompt lookup vs the shipped DFlash drafter vs mlx-lm, three
-# suites, greedy and T=1; name@15 runs a drafter at a fixed 15 drafts (its full tau) beside the
-# adaptive K.
+# Default target, OpenBLAS: plain vs prompt lookup vs the shipped DFlash drafter vs mlx-lm and
+# llama.cpp (plain and its prompt lookup, on the same GGUF; needs llama-cpp-python), three suites,
+# greedy and T=1; name@15 runs a drafter at a fixed 15 drafts (its full tau) beside the adaptive K.
 $mlxspec bench --drafters none,lookup,dflash,lookup@15,dflash@15 --suite humaneval,mtbench,copy \
   --temp 0,1 --limit 3 --max-tokens 64 --out $out/smollm2-cpu-openblas.json \
   --markdown $out/smollm2-cpu-openblas.md --plot $out/smollm2-cpu-openblas.png
 
 # The same with MLX's bundled reference BLAS (shorter: it is far slower).
-MLXSPEC_BLAS=reference $mlxspec bench --drafters none,lookup --suite copy --temp 0 --limit 2 \
+MLXSPEC_BLAS=reference $mlxspec bench --drafters none,lookup --suite copy --temp 0 --limit 2 --no-llama-cpp \
   --max-tokens 32 --out $out/smollm2-cpu-reference-blas.json \
   --markdown $out/smollm2-cpu-reference-blas.md
 
 if [[ "${1:-}" == "qwen" ]]; then
-  # A real target / draft pair with one tokenizer: ours vs mlx-lm's --draft-model.
+  # A real target / draft pair with one tokenizer: ours vs mlx-lm's --draft-model (and llama.cpp
+  # plain / prompt lookup on the 1.5B GGUF when QWEN15_GGUF names it).
   $mlxspec bench --model "$QWEN15" --draft-model "$QWEN05" --drafters none,draft,draft@4 --suite humaneval \
+    ${QWEN15_GGUF:+--llama-cpp-gguf "$QWEN15_GGUF"} \
     --temp 0,1 --limit 2 --max-tokens 48 --mlx-lm-num-draft 4 \
     --out $out/qwen-coder-pair-cpu-openblas.json --markdown $out/qwen-coder-pair-cpu-openblas.md \
     --plot $out/qwen-coder-pair-cpu-openblas.png

@@ -20,9 +20,13 @@ def llama_cpp_missing() -> str | None:
 
 
 class LlamaCppPeer:
-    """One llama.cpp context over a GGUF; `lookup_tokens` > 0 turns on its prompt-lookup drafts."""
+    """One llama.cpp context over a GGUF; `lookup_tokens` > 0 turns on its prompt-lookup drafts.
 
-    def __init__(self, gguf_path: str, lookup_tokens: int = 0, threads: int | None = None):
+    `n_ctx` is sized to the benchmark, not the model: with drafts llama-cpp-python keeps logits for
+    every context position (n_ctx x vocab floats: 20 GB at Qwen's 32k x 152k)."""
+
+    def __init__(self, gguf_path: str, n_ctx: int, lookup_tokens: int = 0,
+                 threads: int | None = None):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -30,7 +34,7 @@ class LlamaCppPeer:
             raise FileNotFoundError(f"llama.cpp peer: no GGUF file at {gguf_path}")
         threads = threads or os.cpu_count() or 1
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=0, n_threads=threads,
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
                          n_threads_batch=threads, draft_model=draft, verbose=False)
         self.eos = self.llm.token_eos()
         self.passes = 0

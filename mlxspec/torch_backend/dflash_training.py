@@ -133,12 +133,15 @@ class TorchDFlashTraining:
         block = torch.full((len(anchors), bs), args.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = toks[anc]
         emb = self.embed(block) * args.input_embedding_scale
-        masks = []
+        by_kind = {}  # one mask per distinct (causal, window): layers mostly share one
         for layer in self.model.layers:
             a = layer.self_attn
-            m = training_mask(mx.array(anchors.astype(np.int32)), bs, len(tokens),
-                              causal=a.is_causal, window=a.window)
-            masks.append(_to_torch(m, device))
+            if (a.is_causal, a.window) not in by_kind:
+                m = training_mask(mx.array(anchors.astype(np.int32)), bs, len(tokens),
+                                  causal=a.is_causal, window=a.window)
+                by_kind[a.is_causal, a.window] = _to_torch(m, device)
+        masks = [by_kind[layer.self_attn.is_causal, layer.self_attn.window]
+                 for layer in self.model.layers]
         hidden = block_hidden(self.model, feats, emb, anc, masks)[:, 1:]
         logits = self.model.compute_logits(hidden, lambda h: h @ self.head.T).float()
         idx = anc[:, None] + torch.arange(1, bs, device=device)[None]
