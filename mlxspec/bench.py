@@ -122,7 +122,8 @@ def _mlx_lm(model, tokenizer, prompt, max_tokens, temp, seed, result, *, draft_m
 
 
 def _llama_cpp(peer, tokenizer, prompt, max_tokens, temp, seed, result):
-    peer.run(encode_prompt(tokenizer, prompt), max_tokens, temp, seed, result)
+    peer.run(encode_prompt(tokenizer, prompt), max_tokens, temp, seed, result,
+             stop_ids=tokenizer.eos_token_ids)
 
 
 def run_benchmark(

@@ -47,8 +47,11 @@ class LlamaCppPeer:
 
         self.llm.eval = counted_eval
 
-    def run(self, prompt_tokens: list[int], max_tokens: int, temp: float, seed: int, result):
-        """Generate up to `max_tokens` (stopping at EOS) and add timings and passes to `result`."""
+    def run(self, prompt_tokens: list[int], max_tokens: int, temp: float, seed: int, result,
+            stop_ids=()):
+        """Generate up to `max_tokens`, stopping at llama.cpp's EOS or any of `stop_ids` (our
+        tokenizer's, so both engines stop alike), and add timings and passes to `result`."""
+        stop = {self.eos, *stop_ids}
         self.llm.reset()
         self.llm.set_seed(seed)
         # Pure sampling at temp > 0 (llama.cpp's default top-k/top-p/min-p off), greedy at 0.
@@ -62,7 +65,7 @@ class LlamaCppPeer:
             n += 1
             if first is None:
                 first = time.perf_counter()
-            if token == self.eos or n >= max_tokens:
+            if token in stop or n >= max_tokens:
                 break
         end = time.perf_counter()
         tokens.close()
