@@ -1,6 +1,5 @@
 """`mlxspec` command line: a thin layer over the Python API."""
 
-import os
 import sys
 
 import click
@@ -107,15 +106,6 @@ def build_prompt(tokenizer, messages, no_chat_template):
     if no_chat_template or getattr(tokenizer, "chat_template", None) is None:
         return "\n".join(m["content"] for m in messages)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def _gguf_of(model) -> str | None:
-    """The GGUF file a model reference loads from (the default model's too), else None."""
-    from mlxspec.loading import default_gguf_path
-
-    if model is None:
-        return str(default_gguf_path())
-    return model if str(model).endswith(".gguf") and os.path.isfile(model) else None
 
 
 def _messages(system, history):
@@ -306,6 +296,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, su
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark, save_report
+    from mlxspec.loading import gguf_file
 
     if plot:
         try:
@@ -350,7 +341,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, su
         target, tokenizer, drafters=built, suites=suites, temps=temps, max_tokens=max_tokens,
         limit=limit, num_draft=num_draft, mlx_lm_draft_model=lm_draft,
         mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, with_llama_cpp=with_llama_cpp,
-        llama_cpp_gguf=llama_cpp_gguf or _gguf_of(model), llama_cpp_num_draft=llama_cpp_num_draft,
+        llama_cpp_gguf=llama_cpp_gguf or gguf_file(model), llama_cpp_num_draft=llama_cpp_num_draft,
         adaptive=adaptive,
         progress=lambda line: click.echo(line, err=True),
     )

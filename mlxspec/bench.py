@@ -6,6 +6,7 @@ where absolute tok/s do not.
 """
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -140,7 +141,7 @@ def run_benchmark(
     mlx_lm_num_draft: int = 4,
     with_mlx_lm: bool = True,
     with_llama_cpp: bool = True,
-    llama_cpp_gguf: str | None = None,
+    llama_cpp_gguf: "str | os.PathLike | None" = None,
     llama_cpp_num_draft: int = 10,
     adaptive: bool = True,
     seed: int = 0,
@@ -211,7 +212,8 @@ def run_benchmark(
                     "blas": _blas.blas_in_use(), "mlx": mx.__version__},
         "settings": {"suites": suites, "temps": temps, "max_tokens": max_tokens, "limit": limit,
                      "num_draft": num_draft, "mlx_lm_num_draft": mlx_lm_num_draft,
-                     "llama_cpp_gguf": llama_cpp_gguf, "llama_cpp_num_draft": llama_cpp_num_draft,
+                     "llama_cpp_gguf": llama_cpp_gguf and str(llama_cpp_gguf),
+                     "llama_cpp_num_draft": llama_cpp_num_draft,
                      "seed": seed, "adaptive": adaptive},
         "verify_cost": verify_cost(model, tokenizer) if _is_mlx(model) else None,
         "results": results,

@@ -105,6 +105,14 @@ def _gguf_cache_name(gguf: Path, dtype: str) -> str:
     return f"gguf-{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:10]}-{dtype}"
 
 
+def gguf_file(path_or_repo: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model reference loads from (the default model's for None), else None."""
+    if path_or_repo is None:
+        return default_gguf_path()
+    path = Path(str(path_or_repo)).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model_dir(path_or_repo: str | os.PathLike | None = None, *, dtype: str = "float32") -> Path:
     """Return an mlx-lm model directory for the reference, converting into the cache if needed."""
     if path_or_repo is None:
@@ -113,7 +121,7 @@ def resolve_model_dir(path_or_repo: str | os.PathLike | None = None, *, dtype: s
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
-    if path.is_file() and path.suffix == ".gguf":
+    if gguf_file(path) is not None:
         return _converted_once(path, _gguf_cache_name(path, dtype), dtype)
     if path.exists():
         raise ValueError(f"{ref} is neither a model directory nor a .gguf file")
