@@ -34,6 +34,9 @@ def train():
 @click.option("--steps", type=int, default=1000, show_default=True,
               help="Total optimizer steps (the learning-rate schedule's length).")
 @click.option("--resume", is_flag=True, help="Continue the run saved in --out.")
+@click.option("--stop-after", type=int, default=None,
+              help="Stop (saved) at this step, keeping --steps' learning-rate schedule; "
+                   "--resume continues from it.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--warmup", type=int, default=None, help="Warmup steps (default: min(100, steps/10)).")
 @click.option("--anchors", type=int, default=64, show_default=True,
@@ -78,11 +81,11 @@ def train():
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
               default="float32", show_default=True,
               help="Target weights dtype when converting a .gguf or HF model on first use.")
-def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, resume, lr, warmup,
-           anchors, batch_size, max_seq_len, num_prompts, heldout, responses, max_new_tokens,
-           data_dir, init, init_final_norm, loss_vocab, generate_with, backend, device,
-           generate_batch_size,
-           eval_every, eval_max_tokens, eval_prompts, save_every, seed, dtype):
+def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, resume, stop_after,
+           lr, warmup, anchors, batch_size, max_seq_len, num_prompts, heldout, responses,
+           max_new_tokens, data_dir, init, init_final_norm, loss_vocab, generate_with, backend,
+           device, generate_batch_size, eval_every, eval_max_tokens, eval_prompts, save_every, seed,
+           dtype):
     """Train a DFlash drafter for TARGET on PROMPTS; resumable with --resume."""
     from mlxspec.loading import load
     from mlxspec.training import train_dflash
@@ -93,6 +96,9 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
             raise click.BadParameter(f"must be >= 1, got {value}", param_hint=name)
     if block_size < 2:
         raise click.BadParameter(f"must be >= 2, got {block_size}", param_hint="--block-size")
+    if stop_after is not None and not 0 <= stop_after <= steps:
+        raise click.BadParameter(f"must be within 0..--steps ({steps}), got {stop_after}",
+                                 param_hint="--stop-after")
     try:
         model, tokenizer = load(target, dtype=dtype)
         torch_model = None
@@ -101,7 +107,8 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
         generator = torch_model if generate_with == "torch" else None
         result = train_dflash(
             model, prompts, out, tokenizer=tokenizer, layers=layers, block_size=block_size,
-            target_layer_ids=target_layer_ids, steps=steps, resume=resume, lr=lr, warmup=warmup,
+            target_layer_ids=target_layer_ids, steps=steps, resume=resume, stop_after=stop_after,
+            lr=lr, warmup=warmup,
             anchors=anchors, batch_size=batch_size, max_seq_len=max_seq_len,
             num_prompts=num_prompts, heldout=heldout, responses=responses,
             max_new_tokens=max_new_tokens, data_dir=data_dir, init=init, eval_every=eval_every,
