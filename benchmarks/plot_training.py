@@ -1,11 +1,12 @@
 """Plot a DFlash training run's log: loss and held-out tau against blocks trained on.
 
-Usage: python benchmarks/plot_training.py RUN_DIR OUT.png [OUT.json]
-(RUN_DIR/train_state/state.json is written by `mlxspec train dflash`; OUT.json keeps the curve.)
+Usage: python benchmarks/plot_training.py RUN_DIR OUT.png [OUT.json] [--mark STEP=LABEL ...]
+(RUN_DIR/train_state/state.json is written by `mlxspec train dflash`; OUT.json keeps the curve;
+a mark draws a dashed line where something changed at that step, e.g. a resume with more data.)
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -14,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(run_dir: str, png: str, curve_json: str | None = None) -> None:
+def main(run_dir: str, png: str, curve_json: str | None = None, marks=()) -> None:
     log = json.loads((Path(run_dir) / "train_state" / "state.json").read_text())["log"]
     blocks = [e["trained_blocks"] * 16 / 1e6 for e in log]  # block tokens, millions
     window = 25
@@ -28,6 +29,12 @@ def main(run_dir: str, png: str, curve_json: str | None = None) -> None:
     ax2.plot([t[0] for t in taus], [t[1] for t in taus], marker="o")
     ax2.set_xlabel("block tokens trained on (millions)")
     ax2.set_ylabel("held-out tau (greedy, 16-token blocks)")
+    at_step = {e["step"]: e["trained_blocks"] * 16 / 1e6 for e in log}
+    for step, label in marks:
+        for ax in (ax1, ax2):
+            ax.axvline(at_step[step], color="gray", linestyle="--", linewidth=0.8)
+        ax2.annotate(label, (at_step[step], 0.02), xycoords=("data", "axes fraction"),
+                     rotation=90, fontsize=7, color="gray", ha="right", va="bottom")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     if curve_json:
@@ -38,5 +45,16 @@ def main(run_dir: str, png: str, curve_json: str | None = None) -> None:
                       if e["step"] % 25 == 0]}, indent=1))
 
 
+def _mark(text: str) -> tuple[int, str]:
+    step, _, label = text.partition("=")
+    return int(step), label
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("png")
+    parser.add_argument("curve_json", nargs="?")
+    parser.add_argument("--mark", type=_mark, action="append", default=[])
+    a = parser.parse_args()
+    main(a.run_dir, a.png, a.curve_json, a.mark)

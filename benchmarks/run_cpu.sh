@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # The benchmark runs behind docs/benchmarks.md, on this project's 2-core Linux CPU.
-# Usage: bash benchmarks/run_cpu.sh [qwen]   (qwen: also the Qwen2.5-Coder 1.5B/0.5B pair; needs
-# QWEN15 and QWEN05 set to their converted directories, see docs/benchmarks.md)
+# Usage: bash benchmarks/run_cpu.sh [qwen|dflash]   (qwen: also the Qwen2.5-Coder 1.5B/0.5B pair;
+# needs QWEN15 and QWEN05 set to their converted directories, see docs/benchmarks.md; dflash: only
+# the shipped DFlash drafter against prompt lookup, on more prompts, for docs/dflash-training.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
 out=docs/results
 mkdir -p "$out"
 mlxspec=.venv/bin/mlxspec
+
+if [[ "${1:-}" == "dflash" ]]; then
+  # The drafter's bar (docs/dflash-training.md): its tau against prompt lookup's on the same
+  # prompts, both at full blocks (name@15) and with the adaptive K, greedy and T=1; ours only.
+  $mlxspec bench --drafters none,lookup,dflash,lookup@15,dflash@15 --suite humaneval,mtbench \
+    --temp 0,1 --limit 5 --max-tokens 64 --no-mlx-lm --no-llama-cpp \
+    --out $out/smollm2-dflash-vs-lookup.json --markdown $out/smollm2-dflash-vs-lookup.md \
+    --plot $out/smollm2-dflash-vs-lookup.png
+  exit 0
+fi
 
 # Default target, OpenBLAS: plain vs prompt lookup vs the shipped DFlash drafter vs mlx-lm and
 # llama.cpp (plain and its prompt lookup, on the same GGUF; needs llama-cpp-python), three suites,
