@@ -316,6 +316,9 @@ def test_chat_ctrl_c_in_real_process():
     proc = subprocess.Popen(
         [str(SCRIPT), "chat", "--max-tokens", "2000", "--no-color"],  # long: SIGINT lands mid-reply
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        # A terminal's default: a suite started in the background by a non-interactive shell
+        # (nohup ... &) passes SIGINT down ignored, and Python then never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     out, err = _Reader(proc.stdout), _Reader(proc.stderr)
     out.start()
