@@ -7,8 +7,8 @@ loss far lower on seen sequences than on unseen ones means the drafter is memori
 Usage: python benchmarks/dflash_heldout_loss.py RUN_DIR DATA_DIR SEEN_RANGE UNSEEN_RANGE [STATE_DIR]
   e.g. ... runs/dflash-smollm2 data/dflash-smollm2/responses 0:64 640:704
 Ranges index the sequence store; STATE_DIR (default RUN_DIR/train_state) holds the weights.
-Every answer position is an anchor (up to 256), as in training; the loss is training's (slot
-weights, loss vocabulary), on MLX, no gradient.
+Anchors are drawn as in training (the run's anchor count, sequences cut at 1,024 tokens); the loss
+is training's (slot weights, loss vocabulary), on MLX, no gradient.
 """
 
 import json
@@ -21,7 +21,7 @@ import numpy as np
 
 from mlxspec.models.dflash import DFlashConfig
 from mlxspec.training.data import SequenceStore
-from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule
+from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule, sample_anchors
 
 
 def _range(text: str) -> range:
@@ -49,8 +49,7 @@ def main(run_dir, data_dir, seen, unseen, state_dir=None):
         for i in ids:
             tokens, prompt_len = store[i]
             tokens = tokens[:1024]
-            lo, hi = max(prompt_len - 1, 0), len(tokens) - 1
-            chosen = np.sort(rng.choice(np.arange(lo, hi), size=min(256, hi - lo), replace=False))
+            chosen = sample_anchors(rng, prompt_len, len(tokens), state["anchors"])
             loss, correct = math._loss([(math.features(tokens), tokens, chosen)])
             losses.append(loss.item())
             accs.append(int(correct.item()) / len(chosen))

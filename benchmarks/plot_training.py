@@ -29,7 +29,7 @@ def main(run_dir: str, png: str, curve_json: str | None = None, marks=()) -> Non
     ax2.plot([t[0] for t in taus], [t[1] for t in taus], marker="o")
     ax2.set_xlabel("block tokens trained on (millions)")
     ax2.set_ylabel("held-out tau (greedy, 16-token blocks)")
-    at_step = {e["step"]: e["trained_blocks"] * 16 / 1e6 for e in log}
+    at_step = dict(zip((e["step"] for e in log), blocks))
     for step, label in marks:
         for ax in (ax1, ax2):
             ax.axvline(at_step[step], color="gray", linestyle="--", linewidth=0.8)

@@ -327,6 +327,13 @@ def frequent_tokens(sequences, vocab_size: int, count: int, always=()) -> list[i
     return sorted(keep)
 
 
+def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count: int) -> np.ndarray:
+    """Up to `count` distinct anchors, sorted, among the answer's positions that have a next
+    token: from the prompt's last token (its block predicts the answer's first) to length - 2."""
+    lo, hi = max(prompt_len - 1, 0), length - 1
+    return np.sort(rng.choice(np.arange(lo, hi), size=min(count, hi - lo), replace=False))
+
+
 def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma):
     """(sum of weighted CE, sum of weights, correct slot-1 predictions) for one sequence.
     With a `SubsetHead`, labels outside its vocabulary carry no weight."""
@@ -751,11 +758,9 @@ def train_dflash(
         for _ in range(batch_size):
             tokens, prompt_len = next_sequence()
             tokens = tokens[:max_seq_len]
-            lo, hi = max(prompt_len - 1, 0), len(tokens) - 1  # anchors in [lo, hi)
-            n = min(anchors, hi - lo)
-            chosen = np.sort(rng.choice(np.arange(lo, hi), size=n, replace=False))
+            chosen = sample_anchors(rng, prompt_len, len(tokens), anchors)
             batch.append((math.features(tokens), tokens, chosen))
-            block_count += n * bs
+            block_count += len(chosen) * bs
         return batch, block_count
 
     result = TrainResult(out=out, step=step)
