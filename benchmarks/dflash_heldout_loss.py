@@ -40,7 +40,8 @@ def main(run_dir, data_dir, seen, unseen, state_dir=None):
     inv_scale = mx.load(str(state_dir / "feature_scale.safetensors")).get("inv_scale")
     math = MLXDFlashTraining(target, args, weights, schedule=_schedule(1e-3, 1, 2),
                              weight_decay=0.0, grad_clip=0.0, gamma=state["gamma"],
-                             loss_ids=loss_ids, inv_scale=inv_scale)
+                             loss_ids=loss_ids, inv_scale=inv_scale,
+                             labels=state.get("labels", "text"))
     store = SequenceStore(data_dir)
     rng = np.random.default_rng(0)
     report = {"run": str(run_dir), "step": state["step"]}

@@ -41,6 +41,9 @@ def train():
 @click.option("--warmup", type=int, default=None, help="Warmup steps (default: min(100, steps/10)).")
 @click.option("--anchors", type=int, default=64, show_default=True,
               help="Random blocks per training sequence.")
+@click.option("--gamma", type=float, default=None,
+              help="Loss decay over block slots, weight exp(-(k-1)/gamma) for slot k (default: "
+                   "the paper's, 7 for blocks of 16); smaller puts the weight on the first slots.")
 @click.option("--batch-size", type=int, default=1, show_default=True,
               help="Sequences per optimizer step.")
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)
@@ -50,6 +53,11 @@ def train():
 @click.option("--responses", type=click.Choice(["target", "conversation"]), default="target",
               show_default=True,
               help="Train on the target's own greedy answers, or the data's real answers.")
+@click.option("--labels", type=click.Choice(["text", "target"]), default="text",
+              show_default=True,
+              help="What each slot learns: the text's next token, or the target's own greedy "
+                   "prediction there (teacher-forced; with --responses conversation, real "
+                   "answers teach the target's choices at prefill cost).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True,
               help="Longest generated response.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
@@ -82,8 +90,8 @@ def train():
               default="float32", show_default=True,
               help="Target weights dtype when converting a .gguf or HF model on first use.")
 def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, resume, stop_after,
-           lr, warmup, anchors, batch_size, max_seq_len, num_prompts, heldout, responses,
-           max_new_tokens, data_dir, init, init_final_norm, loss_vocab, generate_with, backend,
+           lr, warmup, anchors, gamma, batch_size, max_seq_len, num_prompts, heldout, responses,
+           labels, max_new_tokens, data_dir, init, init_final_norm, loss_vocab, generate_with, backend,
            device, generate_batch_size, eval_every, eval_max_tokens, eval_prompts, save_every, seed,
            dtype):
     """Train a DFlash drafter for TARGET on PROMPTS; resumable with --resume."""
@@ -94,6 +102,8 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
                         ("--batch-size", batch_size), ("--save-every", save_every)):
         if value < 1:
             raise click.BadParameter(f"must be >= 1, got {value}", param_hint=name)
+    if gamma is not None and gamma <= 0:
+        raise click.BadParameter(f"must be > 0, got {gamma}", param_hint="--gamma")
     if block_size < 2:
         raise click.BadParameter(f"must be >= 2, got {block_size}", param_hint="--block-size")
     if stop_after is not None and not 0 <= stop_after <= steps:
@@ -109,8 +119,8 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
             model, prompts, out, tokenizer=tokenizer, layers=layers, block_size=block_size,
             target_layer_ids=target_layer_ids, steps=steps, resume=resume, stop_after=stop_after,
             lr=lr, warmup=warmup,
-            anchors=anchors, batch_size=batch_size, max_seq_len=max_seq_len,
-            num_prompts=num_prompts, heldout=heldout, responses=responses,
+            anchors=anchors, gamma=gamma, batch_size=batch_size, max_seq_len=max_seq_len,
+            num_prompts=num_prompts, heldout=heldout, responses=responses, labels=labels,
             max_new_tokens=max_new_tokens, data_dir=data_dir, init=init, eval_every=eval_every,
             eval_max_tokens=eval_max_tokens, eval_prompts=eval_prompts, save_every=save_every,
             seed=seed,

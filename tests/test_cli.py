@@ -504,18 +504,27 @@ def test_error_stop_after_beyond_steps(tmp_path):
     assert_clean_error(result, "--stop-after", "0..--steps (4)")
 
 
+def test_error_gamma_not_positive(tmp_path):
+    result = invoke("train", "dflash", "--prompts", "sharegpt", "--out", str(tmp_path / "run"),
+                    "--gamma", "0")
+    assert_clean_error(result, "--gamma", "must be > 0")
+
+
 @slow
 def test_train_dflash_stops_after_and_resumes(tmp_path, smollm_first_layers):
-    """`--stop-after` saves and stops mid-schedule; `--resume` finishes the same run."""
+    """`--stop-after` saves and stops mid-schedule; `--resume` finishes the same run (here with
+    the target's own predictions as labels and a steeper slot decay)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Name three colours.\nWhat is 2 + 2?\nSay hello in French.\n")
     run = tmp_path / "run"
     args = ["train", "dflash", "-m", str(smollm_first_layers), "--prompts", str(prompts),
             "--out", str(run), "--steps", "4", "--heldout", "1", "--max-new-tokens", "8",
-            "--anchors", "4", "--loss-vocab", "256", "--eval-every", "0", "--save-every", "1"]
+            "--anchors", "4", "--loss-vocab", "256", "--eval-every", "0", "--save-every", "1",
+            "--labels", "target", "--gamma", "2"]
     assert "step 2: checkpoint in" in ok(invoke(*args, "--stop-after", "2")).output
     state = json.loads((run / "train_state" / "state.json").read_text())
     assert state["step"] == 2 and state["steps"] == 4
+    assert state["labels"] == "target" and state["gamma"] == 2
     assert "step 4: checkpoint in" in ok(invoke(*args, "--resume")).output
     state = json.loads((run / "train_state" / "state.json").read_text())
     assert [e["step"] for e in state["log"]] == [1, 2, 3, 4]

@@ -483,3 +483,23 @@ def test_cli_generate_and_bench_with_torch_backend(smollm_dir):
     assert f"torch: {torch.device(DEVICE)}" in result.stderr and "Drafter: lookup" in result.stderr
     result = CliRunner().invoke(main, ["bench", "--backend", "torch", "--mlx-lm"])
     assert result.exit_code == 2 and "mlx-lm runs on MLX only" in result.stderr
+
+
+def test_torch_target_labels_equal_mlx(tiny_target, tmp_path):
+    """The torch training twin reads the same teacher-forced target predictions as MLX."""
+    from mlxspec.models.dflash import DFlashConfig, DFlashModel
+    from mlxspec.torch_backend.dflash_training import TorchDFlashTraining
+    from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule, drafter_config_for
+
+    twin = torch_twin(tiny_target, tmp_path / "twin")
+    vocab = tiny_target.args.vocab_size
+    args = DFlashConfig.from_dict(drafter_config_for(tiny_target, layers=1, block_size=4,
+                                                     mask_token_id=vocab - 1))
+    weights = dict(tree_flatten(DFlashModel(args).parameters()))
+    options = dict(schedule=_schedule(1e-3, 1, 2), weight_decay=0.0, grad_clip=0.0, gamma=4.0,
+                   loss_ids=None, inv_scale=None, labels="target")
+    text = [int(t) for t in np.random.default_rng(5).integers(0, vocab, 24)]
+    mlx_feats, mlx_labels = MLXDFlashTraining(tiny_target, args, weights, **options).features(text)
+    torch_feats, torch_labels = TorchDFlashTraining(twin, args, weights, **options).features(text)
+    assert mlx_labels == torch_labels and mlx_labels[1:] != text[1:]
+    assert np.abs(np.array(mlx_feats) - torch_feats.numpy()).max() < 1e-3

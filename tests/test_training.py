@@ -252,3 +252,45 @@ def test_training_continues_from_a_checkpoint(target, tmp_path):
     assert set(a) == set(b) and max(float(mx.abs(a[k] - b[k]).max()) for k in a) < 1e-5
     with pytest.raises(ValueError, match="checkpoint directory"):
         _train(target, tmp_path / "third", init=str(tmp_path / "nothing"))
+
+
+def test_target_labels_are_the_targets_own_predictions(target, tmp_path):
+    """labels="target": position j learns the target's greedy prediction after positions < j.
+    On text the target did not write they differ from the text (checked against the target run
+    on each prefix); on the target's own greedy answer they are the answer, so a run with either
+    labels is the same run."""
+    from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule
+
+    config = DFlashConfig.from_dict(drafter_config_for(target, layers=1, block_size=4,
+                                                       mask_token_id=VOCAB - 1))
+    model = DFlashModel(config)
+    math = MLXDFlashTraining(target, config, dict(tree_flatten(model.parameters())),
+                             schedule=_schedule(1e-3, 1, 2), weight_decay=0.0, grad_clip=0.0,
+                             gamma=4.0, loss_ids=None, inv_scale=None, labels="target")
+    text = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, 20)]
+    feats, labels = math.features(text)
+    assert feats.shape[0] == len(text) and len(labels) == len(text)
+    for j in range(1, len(text)):
+        assert labels[j] == int(mx.argmax(target(mx.array([text[:j]]))[0, -1]))
+    assert labels[1:] != text[1:]
+
+    prompt = [1, 2, 3, 4, 5]
+    answer = greedy_response(target, prompt, 16, set())
+    assert math.features(prompt + answer)[1][len(prompt):] == answer
+
+    by_text = _train(target, tmp_path / "text", steps=3)
+    by_target = _train(target, tmp_path / "target", steps=3, labels="target")
+    assert np.allclose([l for _, l in by_text.losses], [l for _, l in by_target.losses],
+                       atol=1e-6)
+    with pytest.raises(ValueError, match="same labels"):
+        _train(target, tmp_path / "target", steps=4, resume=True)
+
+
+def test_bad_training_options_fail_before_any_work(tmp_path):
+    """Checked before the target is resolved or data is made (target=None would load SmolLM2)."""
+    for options, message in ((dict(stop_after=7), "stop_after must be within 0..steps"),
+                             (dict(labels="gold"), "labels must be"),
+                             (dict(backend="jax"), "backend must be")):
+        with pytest.raises(ValueError, match=message):
+            train_dflash(None, PROMPTS, tmp_path / "run", steps=6, progress=False, **options)
+    assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .._blas import openblas_single_thread
 from ..models.dflash import DFlashConfig
-from ..training.dflash_trainer import training_mask
+from ..training.dflash_trainer import shifted_labels, training_mask
 from .dflash import DFlashModel
 from .target import capture_layer_outputs, decoder_layers, model_device
 
@@ -77,8 +77,9 @@ class TorchDFlashTraining:
     """
 
     def __init__(self, target, args: DFlashConfig, weights: dict, *, schedule, weight_decay,
-                 grad_clip, gamma, loss_ids, inv_scale, device=None):
+                 grad_clip, gamma, loss_ids, inv_scale, labels="text", device=None):
         self.target, self.args, self.gamma, self.grad_clip = target, args, gamma, grad_clip
+        self.target_labels = labels == "target"
         self.schedule = schedule
         self.device = torch.device(device) if device is not None else model_device(target)
         target.requires_grad_(False)
@@ -109,26 +110,35 @@ class TorchDFlashTraining:
 
     @torch.no_grad()
     @openblas_single_thread()
-    def features(self, tokens: list[int]) -> torch.Tensor:
-        """(L, len(ids)*H) like the MLX `target_features`: layers past the deepest id skipped,
-        the last layer's output final-normed."""
+    def features(self, tokens: list[int]):
+        """(features, labels by position) like MLX's `MLXDFlashTraining.features`: features of
+        `target_layer_ids` (layers past the deepest skipped, the last layer's output final-normed);
+        labels are the tokens or, with labels="target", the target's own next-token predictions
+        (then the whole target runs)."""
         inner = self.target.model
         full = inner.layers
         ids = self.args.target_layer_ids
         inputs = torch.tensor([tokens], device=self.device)
+        labels = tokens
         with capture_layer_outputs(self.target, ids) as outputs:
-            inner.layers = full[: self._deepest + 1]
-            try:
-                inner(input_ids=inputs)
-            finally:
-                inner.layers = full
+            if self.target_labels:
+                predicted = self.target(input_ids=inputs).logits[0].argmax(-1)
+                labels = shifted_labels(tokens, predicted.cpu().numpy())
+            else:
+                inner.layers = full[: self._deepest + 1]
+                try:
+                    inner(input_ids=inputs)
+                finally:
+                    inner.layers = full
         parts = [inner.norm(o[0]) if l == self._last else o[0] for o, l in zip(outputs, ids)]
         feats = torch.cat(parts, dim=-1).float()
-        return feats * self.inv_scale if self.inv_scale is not None else feats
+        return (feats * self.inv_scale if self.inv_scale is not None else feats), labels
 
-    def _sequence_loss(self, feats, tokens: list[int], anchors: np.ndarray):
+    def _sequence_loss(self, features, tokens: list[int], anchors: np.ndarray):
         args, bs, device = self.args, self.args.block_size, self.device
+        feats, labels_by_position = features
         toks = torch.tensor(tokens, dtype=torch.long, device=device)
+        targets = torch.tensor(labels_by_position, dtype=torch.long, device=device)
         anc = torch.from_numpy(anchors.astype(np.int64)).to(device)
         block = torch.full((len(anchors), bs), args.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = toks[anc]
@@ -146,7 +156,7 @@ class TorchDFlashTraining:
         logits = self.model.compute_logits(hidden, lambda h: h @ self.head.T).float()
         idx = anc[:, None] + torch.arange(1, bs, device=device)[None]
         valid = idx < len(tokens)
-        labels = toks[idx.clamp(max=len(tokens) - 1)]
+        labels = targets[idx.clamp(max=len(tokens) - 1)]
         if self.label_map is not None:
             labels = self.label_map[labels]
             valid = valid & (labels >= 0)

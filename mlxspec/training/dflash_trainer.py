@@ -10,7 +10,10 @@ Per training sequence (prompt + the target's own response, token ids from a `Seq
      plus its own block, never another block, exactly what the inference path sees when the block
      is drafted after committing token[a] (tests/test_training.py checks the two agree);
   4. cross-entropy of slot k (1..bs-1) against token[a+k], weighted exp(-(k-1)/gamma), through
-     the target's frozen LM head.
+     the target's frozen LM head. With `labels="target"` the label of position j is instead the
+     target's own greedy prediction there (argmax after positions < j, teacher-forced), read off
+     the same forward pass: any text, e.g. a conversation's real answer, then teaches what the
+     target would say next, at prefill cost instead of generation cost.
 Only the drafter's weights train (AdamW, warmup + cosine). Target features carry huge outlier
 dimensions, so the fc input is divided per dimension by its RMS (measured on training data);
 being linear, that scale is folded into `fc.weight` when a checkpoint is written, so checkpoints
@@ -171,17 +174,21 @@ def init_from_target(model: DFlashModel, target, source_layers=None, *,
 # ---- Target features ----------------------------------------------------------------------
 
 
-def target_features(target, tokens, layer_ids) -> mx.array:
+def target_features(target, tokens, layer_ids, *, predictions: bool = False):
     """(L, len(ids)*H) outputs of `layer_ids` for the whole sequence, as the inference path sees
     them (the last target layer's output after the final norm). Layers past the deepest id and
-    the LM head are not run."""
+    the LM head are not run, unless `predictions`: then the whole target runs and the result is
+    (features, (L,) greedy next-token predictions)."""
     inner = _target_inner(target)
     layers = decoder_layers(target)
     deepest = max(layer_ids)
     inputs = mx.array(tokens, dtype=mx.int32)[None]
     own_list = getattr(inner, "layers", None) is layers
+    predicted = None
     with capture_layer_outputs(target, layer_ids) as outputs:
-        if own_list:
+        if predictions:
+            predicted = mx.argmax(target(inputs)[0], axis=-1)
+        elif own_list:
             inner.layers = layers[: deepest + 1]  # stop after the deepest captured layer
             try:
                 inner(inputs)
@@ -197,7 +204,14 @@ def target_features(target, tokens, layer_ids) -> mx.array:
         parts = [features[:, i * H : (i + 1) * H] for i in range(len(layer_ids))]
         parts = [norm(p) if l == last else p for p, l in zip(parts, layer_ids)]
         features = mx.concatenate(parts, axis=-1)
-    return mx.stop_gradient(features)
+    features = mx.stop_gradient(features)
+    return (features, predicted) if predictions else features
+
+
+def shifted_labels(tokens: list[int], predicted) -> list[int]:
+    """Labels by position from next-token predictions: position j's label is the prediction made
+    at j-1 (position 0 keeps its token; it is never a label)."""
+    return [int(tokens[0])] + [int(t) for t in np.asarray(predicted).tolist()[: len(tokens) - 1]]
 
 
 # ---- The training forward pass ------------------------------------------------------------
@@ -334,8 +348,9 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count
     return np.sort(rng.choice(np.arange(lo, hi), size=min(count, hi - lo), replace=False))
 
 
-def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma):
+def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma, labels=None):
     """(sum of weighted CE, sum of weights, correct slot-1 predictions) for one sequence.
+    `labels`: the label of each position (default: the tokens themselves).
     With a `SubsetHead`, labels outside its vocabulary carry no weight."""
     bs = model.args.block_size
     logits = training_logits(model, features, tokens, anchors,
@@ -343,7 +358,7 @@ def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma
     L = tokens.shape[0]
     idx = anchors[:, None] + mx.arange(1, bs)[None]
     valid = idx < L
-    labels = tokens[mx.minimum(idx, L - 1)]
+    labels = (tokens if labels is None else labels)[mx.minimum(idx, L - 1)]
     if isinstance(lm_head, SubsetHead):
         labels = lm_head.label_map[labels]
         valid = valid & (labels >= 0)
@@ -518,9 +533,9 @@ class MLXDFlashTraining:
     (The torch twin is mlxspec.torch_backend.dflash_training; the loop is `train_dflash`.)"""
 
     def __init__(self, target, args: DFlashConfig, weights: dict, *, schedule, weight_decay,
-                 grad_clip, gamma, loss_ids, inv_scale):
+                 grad_clip, gamma, loss_ids, inv_scale, labels="text"):
         self.target, self.args, self.gamma, self.grad_clip = target, args, gamma, grad_clip
-        self.inv_scale = inv_scale
+        self.inv_scale, self.target_labels = inv_scale, labels == "target"
         self.model = DFlashModel(args)
         self.model.load_weights(list(weights.items()))
         mx.eval(self.model.parameters())
@@ -532,16 +547,23 @@ class MLXDFlashTraining:
         self.optimizer.init(self.model.trainable_parameters())
         self._grad = nn.value_and_grad(self.model, self._loss)
 
-    def features(self, tokens: list[int]) -> mx.array:
-        feats = target_features(self.target, tokens, self.args.target_layer_ids)
-        return feats * self.inv_scale if self.inv_scale is not None else feats
+    def features(self, tokens: list[int]):
+        """(features, labels by position): labels are the tokens, or the target's predictions."""
+        ids = self.args.target_layer_ids
+        if self.target_labels:
+            feats, predicted = target_features(self.target, tokens, ids, predictions=True)
+            labels = shifted_labels(tokens, predicted)
+        else:
+            feats, labels = target_features(self.target, tokens, ids), tokens
+        return (feats * self.inv_scale if self.inv_scale is not None else feats), labels
 
     def _loss(self, batch):
         total = weight = correct = 0
-        for feats, tokens, chosen in batch:
+        for (feats, labels), tokens, chosen in batch:
             t, w, c = block_loss(self.model, feats, mx.array(tokens, dtype=mx.int32),
                                  mx.array(chosen, dtype=mx.int32), embed_tokens=self.embed,
-                                 lm_head=self.head, gamma=self.gamma)
+                                 lm_head=self.head, gamma=self.gamma,
+                                 labels=mx.array(labels, dtype=mx.int32))
             total, weight, correct = total + t, weight + w, correct + c
         return total / weight, correct
 
@@ -591,6 +613,7 @@ def train_dflash(
     eval_prompts: int | None = None,
     save_every: int = 50,
     responses: str = "target",
+    labels: str = "text",
     data_dir=None,
     init: str = "target",
     normalize_features: bool = True,
@@ -619,6 +642,10 @@ def train_dflash(
     `loss_vocab`: train against the target head's rows of the N most frequent response tokens
     only (`SubsetHead`; ~4x cheaper steps on SmolLM2); the checkpoint still uses the full head.
     `generator`: the model that writes the responses (default the target; see `prepare_data`).
+    `labels`: "text" (the sequences' own next tokens) or "target" (the target's greedy next-token
+    prediction at each position, teacher-forced: with responses="conversation" this trains on
+    real answers at prefill cost while still teaching what the target would say; with the
+    target's own greedy answers the two agree).
     `backend="torch"`: the training steps run in torch on `torch_target` (the same weights as a
     transformers model, `mlxspec.load(..., backend="torch")`; ~2.5x faster on this CPU, and CUDA
     with `device`); the checkpoint, the data and the held-out τ (measured on the MLX target)
@@ -628,6 +655,10 @@ def train_dflash(
     state_dir = out / STATE_DIR
     if backend not in ("mlx", "torch"):
         raise ValueError(f"backend must be 'mlx' or 'torch', got {backend!r}")
+    if labels not in ("text", "target"):
+        raise ValueError(f"labels must be 'text' or 'target', got {labels!r}")
+    if stop_after is not None and not 0 <= stop_after <= steps:
+        raise ValueError(f"stop_after must be within 0..steps ({steps}), got {stop_after}")
     if backend == "torch" and torch_target is None:
         if target is not None and not isinstance(target, (str, os.PathLike)):
             raise ValueError("backend='torch' needs torch_target=, the target loaded with "
@@ -668,6 +699,9 @@ def train_dflash(
         if state.get("backend", "mlx") != backend:
             raise ValueError(f"{out} was trained with backend={state.get('backend', 'mlx')!r}; "
                              f"resume it with that backend (the optimizer state is per backend)")
+        if state.get("labels", "text") != labels:
+            raise ValueError(f"{out} was trained with labels={state.get('labels', 'text')!r}; "
+                             f"resume it with the same labels")
     elif start_from is not None:  # continue a trained drafter (its config wins)
         config = json.loads((start_from / "config.json").read_text())
         config["torch_dtype"] = "float32"
@@ -719,7 +753,8 @@ def train_dflash(
         step, epoch, cursor = 0, 0, 0
         state = {"log": []}
     options = dict(schedule=_schedule(lr, warmup, steps), weight_decay=weight_decay,
-                   grad_clip=grad_clip, gamma=gamma, loss_ids=loss_ids, inv_scale=inv_scale)
+                   grad_clip=grad_clip, gamma=gamma, loss_ids=loss_ids, inv_scale=inv_scale,
+                   labels=labels)
     if backend == "mlx":
         math = MLXDFlashTraining(target, args, weights, **options)
     elif backend == "torch":
@@ -741,6 +776,7 @@ def train_dflash(
             "step": step, "epoch": epoch, "cursor": cursor, "rng": rng.bit_generator.state,
             "steps": steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
             "gamma": gamma, "lr": lr, "backend": backend, "loss_vocab": loss_vocab,
+            "labels": labels,
             "log": state["log"],
         }, indent=1))
 
