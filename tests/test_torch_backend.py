@@ -501,5 +501,6 @@ def test_torch_target_labels_equal_mlx(tiny_target, tmp_path):
     text = [int(t) for t in np.random.default_rng(5).integers(0, vocab, 24)]
     mlx_feats, mlx_labels = MLXDFlashTraining(tiny_target, args, weights, **options).features(text)
     torch_feats, torch_labels = TorchDFlashTraining(twin, args, weights, **options).features(text)
+    mlx_labels, torch_labels = mlx_labels.tolist(), torch_labels.tolist()
     assert mlx_labels == torch_labels and mlx_labels[1:] != text[1:]
     assert np.abs(np.array(mlx_feats) - torch_feats.numpy()).max() < 1e-3

@@ -269,6 +269,7 @@ def test_target_labels_are_the_targets_own_predictions(target, tmp_path):
                              gamma=4.0, loss_ids=None, inv_scale=None, labels="target")
     text = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, 20)]
     feats, labels = math.features(text)
+    labels = labels.tolist()
     assert feats.shape[0] == len(text) and len(labels) == len(text)
     for j in range(1, len(text)):
         assert labels[j] == int(mx.argmax(target(mx.array([text[:j]]))[0, -1]))
@@ -276,7 +277,7 @@ def test_target_labels_are_the_targets_own_predictions(target, tmp_path):
 
     prompt = [1, 2, 3, 4, 5]
     answer = greedy_response(target, prompt, 16, set())
-    assert math.features(prompt + answer)[1][len(prompt):] == answer
+    assert math.features(prompt + answer)[1].tolist()[len(prompt):] == answer
 
     by_text = _train(target, tmp_path / "text", steps=3)
     by_target = _train(target, tmp_path / "target", steps=3, labels="target")

@@ -113,17 +113,18 @@ class TorchDFlashTraining:
     def features(self, tokens: list[int]):
         """(features, labels by position) like MLX's `MLXDFlashTraining.features`: features of
         `target_layer_ids` (layers past the deepest skipped, the last layer's output final-normed);
-        labels are the tokens or, with labels="target", the target's own next-token predictions
-        (then the whole target runs)."""
+        labels are None (the tokens themselves) or, with labels="target", the target's own
+        next-token predictions (then the whole target runs)."""
         inner = self.target.model
         full = inner.layers
         ids = self.args.target_layer_ids
         inputs = torch.tensor([tokens], device=self.device)
-        labels = tokens
+        labels = None
         with capture_layer_outputs(self.target, ids) as outputs:
             if self.target_labels:
                 predicted = self.target(input_ids=inputs).logits[0].argmax(-1)
-                labels = shifted_labels(tokens, predicted.cpu().numpy())
+                labels = torch.tensor(shifted_labels(tokens, predicted.cpu().numpy()),
+                                      device=self.device)
             else:
                 inner.layers = full[: self._deepest + 1]
                 try:
@@ -138,7 +139,7 @@ class TorchDFlashTraining:
         args, bs, device = self.args, self.args.block_size, self.device
         feats, labels_by_position = features
         toks = torch.tensor(tokens, dtype=torch.long, device=device)
-        targets = torch.tensor(labels_by_position, dtype=torch.long, device=device)
+        targets = toks if labels_by_position is None else labels_by_position
         anc = torch.from_numpy(anchors.astype(np.int64)).to(device)
         block = torch.full((len(anchors), bs), args.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = toks[anc]

@@ -548,13 +548,15 @@ class MLXDFlashTraining:
         self._grad = nn.value_and_grad(self.model, self._loss)
 
     def features(self, tokens: list[int]):
-        """(features, labels by position): labels are the tokens, or the target's predictions."""
+        """(features, labels by position): the target's predictions, or None (`block_loss`'s
+        default: the tokens themselves)."""
         ids = self.args.target_layer_ids
+        labels = None
         if self.target_labels:
             feats, predicted = target_features(self.target, tokens, ids, predictions=True)
-            labels = shifted_labels(tokens, predicted)
+            labels = mx.array(shifted_labels(tokens, predicted), dtype=mx.int32)
         else:
-            feats, labels = target_features(self.target, tokens, ids), tokens
+            feats = target_features(self.target, tokens, ids)
         return (feats * self.inv_scale if self.inv_scale is not None else feats), labels
 
     def _loss(self, batch):
@@ -562,8 +564,7 @@ class MLXDFlashTraining:
         for (feats, labels), tokens, chosen in batch:
             t, w, c = block_loss(self.model, feats, mx.array(tokens, dtype=mx.int32),
                                  mx.array(chosen, dtype=mx.int32), embed_tokens=self.embed,
-                                 lm_head=self.head, gamma=self.gamma,
-                                 labels=mx.array(labels, dtype=mx.int32))
+                                 lm_head=self.head, gamma=self.gamma, labels=labels)
             total, weight, correct = total + t, weight + w, correct + c
         return total / weight, correct
 
