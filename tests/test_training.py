@@ -26,6 +26,7 @@ from mlxspec.training.data import SequenceStore, greedy_response, load_examples,
 from mlxspec.training.dflash_trainer import (
     block_loss,
     drafter_config_for,
+    epoch_order,
     init_from_target,
     target_features,
     train_dflash,
@@ -44,11 +45,11 @@ def target():
     return tiny_llama(vocab=VOCAB, hidden=32, layers=4, seed=1, sharpness=3.0)
 
 
-def _train(target, out, **kw):
+def _train(target, out, prompts=PROMPTS, **kw):
     options = dict(layers=1, block_size=4, steps=6, anchors=4, max_new_tokens=12, heldout=1,
                    eval_every=0, save_every=3, progress=False, seed=0, lr=3e-3, warmup=1)
     options.update(kw)
-    return train_dflash(target, PROMPTS, out, **options)
+    return train_dflash(target, prompts, out, **options)
 
 
 def _plain_and_spec(target, drafter, prompt, max_tokens=20):
@@ -186,6 +187,24 @@ def test_split_survives_a_growing_prompt_list():
     small_train, small_held = split_heldout(list(range(40)), 4, seed=0)
     big_train, big_held = split_heldout(list(range(400)), 4, seed=0)
     assert small_held == big_held and big_train[: len(small_train)] == small_train
+
+
+def test_epoch_order_keeps_its_promise_when_the_store_grows():
+    before = epoch_order(0, 3, [40])
+    grown = epoch_order(0, 3, [40, 100])
+    assert sorted(before.tolist()) == list(range(40))
+    assert grown[:40].tolist() == before.tolist() and sorted(grown.tolist()) == list(range(100))
+    assert epoch_order(0, 4, [40]).tolist() != before.tolist()
+
+
+def test_resume_on_a_grown_store_visits_each_sequence_once(target, tmp_path):
+    first = _train(target, tmp_path / "run", prompts=PROMPTS[:5], steps=6, stop_after=2)
+    assert first.step == 2
+    _train(target, tmp_path / "run", steps=6, resume=True)
+    state = json.loads((tmp_path / "run" / "train_state" / "state.json").read_text())
+    visited = [i for entry in state["log"] for i in entry["sequences"]]
+    assert sorted(visited) == list(range(6))  # 4 sequences, then 6 once the store grew
+    assert state["epoch"] == 1 and state["cursor"] == 0 and state["epoch_sizes"] == [6]
 
 
 def test_batched_greedy_responses_equal_single_stream(target):

@@ -348,6 +348,19 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count
     return np.sort(rng.choice(np.arange(lo, hi), size=min(count, hi - lo), replace=False))
 
 
+def epoch_order(seed: int, epoch: int, sizes: list[int]) -> np.ndarray:
+    """The order in which an epoch visits training sequences 0..sizes[-1]-1: a shuffle of the
+    first sizes[0], then a shuffle of each block added while the epoch ran (`sizes` grows when
+    a run resumes on a larger store). Reshuffling the grown store instead would reorder the
+    rest of the epoch and revisit sequences it had already trained on."""
+    parts, start = [], 0
+    for k, size in enumerate(sizes):
+        key = [seed, epoch] if k == 0 else [seed, epoch, k]
+        parts.append(start + np.random.default_rng(key).permutation(size - start))
+        start = size
+    return np.concatenate(parts)
+
+
 def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma, labels=None):
     """(sum of weighted CE, sum of weights, correct slot-1 predictions) for one sequence.
     `labels`: the label of each position (default: the tokens themselves).
@@ -726,6 +739,12 @@ def train_dflash(
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]
         step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
+        epoch_sizes = state.get("epoch_sizes", [len(train_ids)])  # older states: no growth
+        if len(train_ids) < epoch_sizes[-1]:
+            raise ValueError(f"{out} was training on {epoch_sizes[-1]} sequences and the data "
+                             f"now holds {len(train_ids)}; resume with at least as many prompts")
+        if len(train_ids) > epoch_sizes[-1]:  # the store grew: new sequences join this epoch
+            epoch_sizes = epoch_sizes + [len(train_ids)]
     else:
         mx.random.seed(seed)
         fresh = DFlashModel(args)
@@ -752,6 +771,7 @@ def train_dflash(
                 weights["fc.weight"] = weights["fc.weight"] / inv_scale[None]
         rng = np.random.default_rng(seed)
         step, epoch, cursor = 0, 0, 0
+        epoch_sizes = [len(train_ids)]
         state = {"log": []}
     options = dict(schedule=_schedule(lr, warmup, steps), weight_decay=weight_decay,
                    grad_clip=grad_clip, gamma=gamma, loss_ids=loss_ids, inv_scale=inv_scale,
@@ -774,7 +794,8 @@ def train_dflash(
         _atomic_save_safetensors(state_dir / "params.safetensors", current, tmp_dir=state_dir)
         math.save_optimizer(state_dir)
         _atomic_write_text(state_dir / "state.json", json.dumps({
-            "step": step, "epoch": epoch, "cursor": cursor, "rng": rng.bit_generator.state,
+            "step": step, "epoch": epoch, "cursor": cursor, "epoch_sizes": epoch_sizes,
+            "rng": rng.bit_generator.state,
             "steps": steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
             "gamma": gamma, "lr": lr, "backend": backend, "loss_vocab": loss_vocab,
             "labels": labels,
@@ -782,23 +803,24 @@ def train_dflash(
         }, indent=1))
 
     def next_sequence():
-        nonlocal epoch, cursor
-        order = np.random.default_rng([seed, epoch]).permutation(len(train_ids))
+        nonlocal epoch, cursor, epoch_sizes
+        order = epoch_order(seed, epoch, epoch_sizes)
         i = train_ids[int(order[cursor])]
         cursor += 1
-        if cursor == len(train_ids):
-            epoch, cursor = epoch + 1, 0
-        return store[i]
+        if cursor == len(order):
+            epoch, cursor, epoch_sizes = epoch + 1, 0, [len(train_ids)]
+        return i
 
     def make_batch():
-        batch, block_count = [], 0
+        batch, block_count, used = [], 0, []
         for _ in range(batch_size):
-            tokens, prompt_len = next_sequence()
+            used.append(next_sequence())
+            tokens, prompt_len = store[used[-1]]
             tokens = tokens[:max_seq_len]
             chosen = sample_anchors(rng, prompt_len, len(tokens), anchors)
             batch.append((math.features(tokens), tokens, chosen))
             block_count += len(chosen) * bs
-        return batch, block_count
+        return batch, block_count, used
 
     result = TrainResult(out=out, step=step)
     last_tau = next((e["tau"] for e in reversed(state["log"]) if "tau" in e), None)
@@ -819,13 +841,13 @@ def train_dflash(
             save()
         while step < end:
             t0 = time.perf_counter()
-            batch, n_tokens = make_batch()
+            batch, n_tokens, used = make_batch()
             loss, correct = math.step(batch)
             seconds = time.perf_counter() - t0
             step += 1
             timed_tokens += n_tokens
             timed_seconds += seconds
-            entry = {"step": step, "loss": round(loss, 5),
+            entry = {"step": step, "sequences": used, "loss": round(loss, 5),
                      "block_tokens_per_s": round(n_tokens / seconds, 1),
                      "slot1_acc": round(correct / max(n_tokens // bs, 1), 4),
                      "trained_blocks": (state["log"][-1]["trained_blocks"] if state["log"] else 0)
