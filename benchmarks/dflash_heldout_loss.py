@@ -49,7 +49,7 @@ def main(run_dir, data_dir, seen, unseen, state_dir=None):
         losses, accs = [], []
         for i in ids:
             tokens, prompt_len = store[i]
-            tokens = tokens[:1024]
+            tokens = tokens[:state.get("max_seq_len", 1024)]  # as the run cut them
             chosen = sample_anchors(rng, prompt_len, len(tokens), state["anchors"])
             loss, correct = math._loss([(math.features(tokens), tokens, chosen)])
             losses.append(loss.item())

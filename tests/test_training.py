@@ -163,6 +163,16 @@ def test_overfit_one_batch(target):
     assert losses[-1] < 0.2 * losses[0], losses[::10]
 
 
+def test_resume_keeps_the_runs_gamma_unless_told(target, tmp_path):
+    whole = _train(target, tmp_path / "whole", gamma=2.0)
+    _train(target, tmp_path / "split", gamma=2.0, stop_after=3)
+    split = _train(target, tmp_path / "split", resume=True)
+    assert [l for _, l in split.losses] == [l for _, l in whole.losses][3:]
+    _train(target, tmp_path / "split", steps=8, resume=True, gamma=5.0)
+    state = json.loads((tmp_path / "split" / "train_state" / "state.json").read_text())
+    assert state["gamma"] == 5.0
+
+
 def test_sequence_store_resumes_and_reloads(target, tmp_path):
     examples = load_examples(PROMPTS)
     store = SequenceStore(tmp_path / "s", meta={"x": 1}, shard_size=3)
@@ -310,6 +320,7 @@ def test_bad_training_options_fail_before_any_work(tmp_path):
     """Checked before the target is resolved or data is made (target=None would load SmolLM2)."""
     for options, message in ((dict(stop_after=7), "stop_after must be within 0..steps"),
                              (dict(labels="gold"), "labels must be"),
+                             (dict(gamma=0.0), "gamma .* must be > 0"),
                              (dict(backend="jax"), "backend must be")):
         with pytest.raises(ValueError, match=message):
             train_dflash(None, PROMPTS, tmp_path / "run", steps=6, progress=False, **options)

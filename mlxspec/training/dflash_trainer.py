@@ -671,6 +671,8 @@ def train_dflash(
         raise ValueError(f"backend must be 'mlx' or 'torch', got {backend!r}")
     if labels not in ("text", "target"):
         raise ValueError(f"labels must be 'text' or 'target', got {labels!r}")
+    if gamma is not None and not gamma > 0:
+        raise ValueError(f"gamma (the slot weights' decay) must be > 0, got {gamma}")
     if stop_after is not None and not 0 <= stop_after <= steps:
         raise ValueError(f"stop_after must be within 0..steps ({steps}), got {stop_after}")
     if backend == "torch" and torch_target is None:
@@ -728,7 +730,8 @@ def train_dflash(
     args = DFlashConfig.from_dict(config)
     ids = args.target_layer_ids
     bs = args.block_size
-    gamma = gamma if gamma is not None else default_gamma(bs)
+    if gamma is None:  # a resumed run keeps its own unless told otherwise
+        gamma = state["gamma"] if resume else default_gamma(bs)
     warmup = warmup if warmup is not None else min(100, steps // 10)
     vocab_file = state_dir / "loss_vocab.safetensors"
     scale_file = state_dir / "feature_scale.safetensors"
@@ -798,6 +801,7 @@ def train_dflash(
             "rng": rng.bit_generator.state,
             "steps": steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
             "gamma": gamma, "lr": lr, "backend": backend, "loss_vocab": loss_vocab,
+            "max_seq_len": max_seq_len,
             "labels": labels,
             "log": state["log"],
         }, indent=1))
