@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the shipped DFlash drafter for SmolLM2-135M-Instruct was made (docs/dflash-training.md).
 # Resumable: run it again after a stop and it continues (data, then training, from the last save).
-# Usage: [STAGE=answers|conversations] [NUM_PROMPTS=N] [STOP_AFTER=S] \
+# Usage: [STAGE=answers|conversations] [NUM_PROMPTS=N] [STOP_AFTER=S] [GAMMA=G] \
 #          bash benchmarks/train_smollm2_dflash.sh [STEPS]
 # Stage "answers" (runs/dflash-smollm2): the target's own greedy answers to ShareGPT prompts, made
 # in three resumed runs (STEPS is the cosine schedule's length; a resume with a longer one raises
@@ -13,6 +13,10 @@
 # real answers, each slot labelled with the target's own greedy prediction (no generation):
 #   STAGE=conversations NUM_PROMPTS=3000 bash benchmarks/train_smollm2_dflash.sh 1200
 #   STAGE=conversations NUM_PROMPTS=3000 STOP_AFTER=S bash benchmarks/train_smollm2_dflash.sh STEPS2
+# then (session 13) with the slot decay gamma 2 (it won a 150-step A/B against 7 from step 2,300),
+# the cosine over 4,500 steps, and the store grown to 6,000 prompts (new answers join the epoch):
+#   STAGE=conversations NUM_PROMPTS=3000 GAMMA=2 STOP_AFTER=2450 bash benchmarks/train_smollm2_dflash.sh 4500
+#   STAGE=conversations NUM_PROMPTS=6000 bash benchmarks/train_smollm2_dflash.sh 4500
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
@@ -43,4 +47,4 @@ esac
 steps="${1:-1150}"
 [[ -f $out/train_state/state.json ]] && start=(--resume)
 .venv/bin/mlxspec train dflash "${common[@]}" "${stage_args[@]}" --out "$out" --steps "$steps" \
-  ${STOP_AFTER:+--stop-after "$STOP_AFTER"} "${start[@]}"
+  ${STOP_AFTER:+--stop-after "$STOP_AFTER"} ${GAMMA:+--gamma "$GAMMA"} "${start[@]}"
