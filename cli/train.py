@@ -27,7 +27,9 @@ def train():
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output directory: the checkpoint (config.json + model.safetensors, z-lab "
                    "format) and its resumable training state.")
-@click.option("--layers", type=int, default=1, show_default=True, help="Drafter layers.")
+@click.option("--layers", type=int, default=None,
+              help="Drafter layers (default 1). With --resume or --init DIR, more layers than the "
+                   "drafter has are appended, starting as the identity.")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--target-layer-ids", callback=_layer_ids, default=None,
               help="Comma-separated target layers to condition on (default: z-lab's spacing).")
@@ -100,7 +102,7 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
 
     for name, value in (("--layers", layers), ("--steps", steps), ("--anchors", anchors),
                         ("--batch-size", batch_size), ("--save-every", save_every)):
-        if value < 1:
+        if value is not None and value < 1:
             raise click.BadParameter(f"must be >= 1, got {value}", param_hint=name)
     if gamma is not None and gamma <= 0:
         raise click.BadParameter(f"must be > 0, got {gamma}", param_hint="--gamma")

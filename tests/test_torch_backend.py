@@ -278,6 +278,26 @@ def test_torch_training_matches_mlx(tiny_target, tmp_path):
         train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "resumed", resume=True, **options)
 
 
+def test_torch_run_resumed_with_more_layers(tiny_target, tmp_path):
+    """Growing a torch run: the old layer keeps its AdamW moments, the new one starts its own,
+    and the checkpoint is a two-layer drafter in the same format."""
+    from mlxspec.training import train_dflash
+
+    twin = torch_twin(tiny_target, tmp_path / "twin")
+    options = dict(block_size=4, steps=4, anchors=4, max_new_tokens=10, heldout=1, eval_every=0,
+                   save_every=2, progress=False, seed=0, lr=3e-3, warmup=1, backend="torch",
+                   torch_target=twin)
+    train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "run", stop_after=2, **options)
+    grown = train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "run", resume=True, layers=2,
+                         **options)
+    assert grown.step == 4 and all(np.isfinite(l) for _, l in grown.losses)
+    weights = mx.load(str(tmp_path / "run" / "model.safetensors"))
+    assert float(mx.abs(weights["layers.1.mlp.down_proj.weight"]).max()) > 0
+    moments = mx.load(str(tmp_path / "run" / "train_state" / "optimizer_torch.safetensors"))
+    assert moments["layers.0.mlp.down_proj.weight.step"].item() == 4
+    assert moments["layers.1.mlp.down_proj.weight.step"].item() == 2
+
+
 def test_batched_torch_responses_equal_mlx_greedy(tiny_target, tmp_path):
     """Training data written by the torch twin in left-padded batches is the MLX target's own
     greedy answer, end token included."""

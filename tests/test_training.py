@@ -27,6 +27,7 @@ from mlxspec.training.dflash_trainer import (
     block_loss,
     drafter_config_for,
     epoch_order,
+    grow_drafter,
     init_from_target,
     target_features,
     train_dflash,
@@ -274,13 +275,66 @@ def test_training_continues_from_a_checkpoint(target, tmp_path):
     """--init DIR starts from a trained drafter (its config, its weights with the feature scale
     unfolded): before any step the new run's checkpoint is the old one."""
     _train(target, tmp_path / "first", steps=3)
-    _train(target, tmp_path / "second", steps=3, stop_after=0, init=str(tmp_path / "first"),
-           layers=2)  # the checkpoint's config wins over layers=2
+    _train(target, tmp_path / "second", steps=3, stop_after=0, init=str(tmp_path / "first"))
     a = mx.load(str(tmp_path / "first" / "model.safetensors"))
     b = mx.load(str(tmp_path / "second" / "model.safetensors"))
     assert set(a) == set(b) and max(float(mx.abs(a[k] - b[k]).max()) for k in a) < 1e-5
     with pytest.raises(ValueError, match="checkpoint directory"):
         _train(target, tmp_path / "third", init=str(tmp_path / "nothing"))
+
+
+def _drafter_outputs(config, weights, features, block):
+    model = DFlashModel(DFlashConfig.from_dict(config))
+    model.load_weights(list(weights.items()))
+    cache = model.make_cache()
+    model.append_context(features, cache)
+    return model(block, cache)
+
+
+def test_grown_drafter_drafts_as_before_until_trained():
+    """Appended layers start as the identity (output projections zeroed): the grown drafter's
+    block outputs equal the original's; once a new layer's output projection moves, they
+    differ (the new layer is in the path)."""
+    config = drafter_config(num_hidden_layers=1, layer_types=["sliding_attention"])
+    weights = random_weights(config, seed=4)
+    grown_config, grown = grow_drafter(config, weights, 3)
+    assert grown_config["num_hidden_layers"] == 3 and len(grown_config["layer_types"]) == 3
+    assert config["num_hidden_layers"] == 1  # the caller's config is left alone
+    assert float(mx.abs(grown["layers.2.self_attn.q_proj.weight"]
+                        - weights["layers.0.self_attn.q_proj.weight"]).max()) == 0
+    features = mx.random.normal((7, 2 * 32), key=mx.random.key(1))
+    block = mx.random.normal((1, 6, 32), key=mx.random.key(2))
+    before = _drafter_outputs(config, weights, features, block)
+    after = _drafter_outputs(grown_config, grown, features, block)
+    assert float(mx.abs(before - after).max()) < 1e-6
+    grown["layers.1.self_attn.o_proj.weight"] = weights["layers.0.self_attn.o_proj.weight"]
+    moved = _drafter_outputs(grown_config, grown, features, block)
+    assert float(mx.abs(before - moved).max()) > 1e-3
+    with pytest.raises(ValueError, match="not removed"):
+        grow_drafter(grown_config, grown, 2)
+
+
+def test_a_run_resumed_with_more_layers_grows_its_drafter(target, tmp_path):
+    """--resume --layers 2 on a one-layer run: same log, data cursor and schedule, a two-layer
+    checkpoint that decodes losslessly; fewer layers than the run has is refused before any
+    work."""
+    run = tmp_path / "run"
+    _train(target, run, steps=6, stop_after=3)
+    grown = _train(target, run, steps=6, resume=True, layers=2)
+    assert grown.step == 6
+    state = json.loads((run / "train_state" / "state.json").read_text())
+    assert [e["step"] for e in state["log"]] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((run / "config.json").read_text())["num_hidden_layers"] == 2
+    weights = mx.load(str(run / "model.safetensors"))
+    assert float(mx.abs(weights["layers.1.self_attn.o_proj.weight"]).max()) > 0  # it trained
+    drafter = load_dflash_drafter(run, model=target)
+    for prompt in ([1, 2, 3], [9, 4, 4, 4, 17]):
+        plain, spec = _plain_and_spec(target, drafter, prompt)
+        assert spec == plain
+    with pytest.raises(ValueError, match="not removed"):
+        _train(target, run, steps=8, resume=True, layers=1)
+    assert json.loads((run / "train_state" / "state.json").read_text())["step"] == 6
+    assert _train(target, run, steps=7, resume=True, layers=None).step == 7  # keeps its 2
 
 
 def test_target_labels_are_the_targets_own_predictions(target, tmp_path):
@@ -321,6 +375,7 @@ def test_bad_training_options_fail_before_any_work(tmp_path):
     for options, message in ((dict(stop_after=7), "stop_after must be within 0..steps"),
                              (dict(labels="gold"), "labels must be"),
                              (dict(gamma=0.0), "gamma .* must be > 0"),
+                             (dict(layers=0), "layers must be >= 1"),
                              (dict(backend="jax"), "backend must be")):
         with pytest.raises(ValueError, match=message):
             train_dflash(None, PROMPTS, tmp_path / "run", steps=6, progress=False, **options)

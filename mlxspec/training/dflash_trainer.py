@@ -171,6 +171,39 @@ def init_from_target(model: DFlashModel, target, source_layers=None, *,
     return source_layers
 
 
+# Residual-branch outputs: zeroed, a layer adds nothing to the stream it reads.
+_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight",
+                   "mlp.down_proj.bias")
+
+
+def grow_drafter(config: dict, weights: dict, layers: int) -> tuple[dict, dict]:
+    """(config, weights) of the drafter with layers appended that start as the identity: copies
+    of its last layer with their attention and MLP output projections zeroed, so the grown
+    drafter drafts exactly as before and training continues from there.
+
+    Why grow: in one layer every mask slot asks the same query (its input is the mask token's
+    embedding), so where it looks in the context cannot depend on the anchor or on what came
+    before it; a copied span cannot be followed past a slot or two. A second layer's queries
+    are built from the first layer's output and can."""
+    have = config["num_hidden_layers"]
+    if layers < have:
+        raise ValueError(f"the drafter has {have} layers; layers can be added, not removed "
+                         f"(got {layers})")
+    config = json.loads(json.dumps(config))
+    weights = dict(weights)
+    last = f"layers.{have - 1}."
+    for i in range(have, layers):
+        for name, w in list(weights.items()):
+            if name.startswith(last):
+                sub = name[len(last):]
+                weights[f"layers.{i}.{sub}"] = mx.zeros_like(w) if sub in _BRANCH_OUTPUTS else w
+    config["num_hidden_layers"] = layers
+    if config.get("layer_types"):
+        config["layer_types"] = list(config["layer_types"]) + \
+            [config["layer_types"][-1]] * (layers - have)
+    return config, weights
+
+
 # ---- Target features ----------------------------------------------------------------------
 
 
@@ -605,7 +638,7 @@ def train_dflash(
     out,
     *,
     tokenizer=None,
-    layers: int = 1,
+    layers: int | None = None,
     block_size: int = 16,
     target_layer_ids=None,
     steps: int = 1000,
@@ -653,6 +686,9 @@ def train_dflash(
     greedy answers; "conversation": the data's real answers) are cached in `data_dir` (default
     out/data) and reused or continued by later calls. `steps` is the schedule's length;
     `stop_after` stops early at that step (as an interruption would, after saving).
+    `layers`: the drafter's depth (default 1); continuing a drafter (`resume`, or `init` from a
+    checkpoint) with more layers than it has appends layers that start as the identity
+    (`grow_drafter`), so it drafts as before and the new layers learn from there.
     `loss_vocab`: train against the target head's rows of the N most frequent response tokens
     only (`SubsetHead`; ~4x cheaper steps on SmolLM2); the checkpoint still uses the full head.
     `generator`: the model that writes the responses (default the target; see `prepare_data`).
@@ -673,16 +709,10 @@ def train_dflash(
         raise ValueError(f"labels must be 'text' or 'target', got {labels!r}")
     if gamma is not None and not gamma > 0:
         raise ValueError(f"gamma (the slot weights' decay) must be > 0, got {gamma}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
     if stop_after is not None and not 0 <= stop_after <= steps:
         raise ValueError(f"stop_after must be within 0..steps ({steps}), got {stop_after}")
-    if backend == "torch" and torch_target is None:
-        if target is not None and not isinstance(target, (str, os.PathLike)):
-            raise ValueError("backend='torch' needs torch_target=, the target loaded with "
-                             "mlxspec.load(..., backend='torch')")
-        from ..loading import load
-
-        torch_target = load(target, backend="torch", device=device)[0]
-    target, tokenizer = _resolve_target(target, tokenizer)
     start_from = None
     if init not in ("target", "random"):
         start_from = Path(init).expanduser()
@@ -693,6 +723,21 @@ def train_dflash(
         raise FileNotFoundError(f"{out} has no training state to resume ({STATE_DIR}/state.json)")
     if not resume and (state_dir / "state.json").is_file():
         raise FileExistsError(f"{out} already holds a training run; pass resume=True to continue it")
+    continued = out if resume else start_from  # a drafter whose config already exists
+    if layers is not None and continued is not None:
+        have = json.loads((continued / "config.json").read_text())["num_hidden_layers"]
+        if layers < have:
+            raise ValueError(f"{continued} holds a {have}-layer drafter; layers can be added "
+                             f"to it, not removed (got layers={layers})")
+
+    if backend == "torch" and torch_target is None:
+        if target is not None and not isinstance(target, (str, os.PathLike)):
+            raise ValueError("backend='torch' needs torch_target=, the target loaded with "
+                             "mlxspec.load(..., backend='torch')")
+        from ..loading import load
+
+        torch_target = load(target, backend="torch", device=device)[0]
+    target, tokenizer = _resolve_target(target, tokenizer)
 
     # -- data: held-out prompts for τ, training sequences in the store
     store, train_examples, heldout_examples = prepare_data(
@@ -724,7 +769,7 @@ def train_dflash(
         check_against_target(DFlashConfig.from_dict(config), target)
     else:
         mask_id = mask_token_id if mask_token_id is not None else default_mask_token_id(tokenizer, vocab)
-        config = drafter_config_for(target, layers=layers, block_size=block_size,
+        config = drafter_config_for(target, layers=layers or 1, block_size=block_size,
                                     target_layer_ids=target_layer_ids, mask_token_id=mask_id,
                                     overrides=drafter_overrides)
     args = DFlashConfig.from_dict(config)
@@ -776,6 +821,9 @@ def train_dflash(
         step, epoch, cursor = 0, 0, 0
         epoch_sizes = [len(train_ids)]
         state = {"log": []}
+    if continued is not None and layers is not None and layers > args.num_hidden_layers:
+        config, weights = grow_drafter(config, weights, layers)
+        args = DFlashConfig.from_dict(config)
     options = dict(schedule=_schedule(lr, warmup, steps), weight_decay=weight_decay,
                    grad_clip=grad_clip, gamma=gamma, loss_ids=loss_ids, inv_scale=inv_scale,
                    labels=labels)
