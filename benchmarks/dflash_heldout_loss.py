@@ -84,7 +84,10 @@ def main(run_dir, data_dir, seen, unseen, state_dir=None):
     report = {"run": str(run_dir), "step": state["step"], "layers": args.num_hidden_layers}
     for name, spec in (("seen", seen), ("unseen", unseen)):
         losses, accs, lengths = [], [], []
-        for i in _sequences(spec, store, state):
+        ids = _sequences(spec, store, state)
+        if not ids:  # e.g. "0:0": that side not wanted
+            continue
+        for i in ids:
             tokens, prompt_len = store[i]
             tokens = tokens[:state.get("max_seq_len", 1024)]  # as the run cut them
             chosen = sample_anchors(rng, prompt_len, len(tokens), state["anchors"])
