@@ -822,6 +822,9 @@ def train_dflash(
         epoch_sizes = [len(train_ids)]
         state = {"log": []}
     if continued is not None and layers is not None and layers > args.num_hidden_layers:
+        # New layers start with no AdamW moments. torch counts steps per parameter, so their
+        # bias correction starts afresh; MLX's AdamW has one step count, so on MLX their first
+        # few hundred updates are larger (up to ~6x, for a steady gradient) than a fresh one's.
         config, weights = grow_drafter(config, weights, layers)
         args = DFlashConfig.from_dict(config)
     options = dict(schedule=_schedule(lr, warmup, steps), weight_decay=weight_decay,
