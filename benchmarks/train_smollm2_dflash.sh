@@ -19,9 +19,10 @@
 #   STAGE=conversations NUM_PROMPTS=6000 bash benchmarks/train_smollm2_dflash.sh 4500
 # then (session 14) resumed with the cosine over 6,000, stopped after the step-4,300 save (here by
 # ending the process; STOP_AFTER=4300 does the same) for an A/B against a drafter grown to two
-# layers (docs/dflash-training.md), and resumed with the cosine over 5,200 to its end:
+# layers (docs/dflash-training.md), then resumed with the cosine over 5,200 and stopped after the
+# step-4,900 save (the session's time):
 #   STAGE=conversations NUM_PROMPTS=6000 STOP_AFTER=4300 bash benchmarks/train_smollm2_dflash.sh 6000
-#   STAGE=conversations NUM_PROMPTS=6000 bash benchmarks/train_smollm2_dflash.sh 5200
+#   STAGE=conversations NUM_PROMPTS=6000 STOP_AFTER=4900 bash benchmarks/train_smollm2_dflash.sh 5200
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
