@@ -34,6 +34,7 @@ from mlxspec.training.dflash_trainer import (
     _schedule,
     epoch_order,
     sample_anchors,
+    trainable_ids,
     training_logits,
 )
 
@@ -42,9 +43,7 @@ def _sequences(text: str, store, state) -> list[int]:
     lo, hi = text.split(":")
     if lo != "next":
         return list(range(int(lo), int(hi)))
-    cut = state.get("max_seq_len", 1024)  # the trainer's own filter of usable sequences
-    train_ids = [i for i in range(len(store))
-                 if min(len(store[i][0]), cut) - max(store[i][1] - 1, 0) >= 2]
+    train_ids = trainable_ids(store, state.get("max_seq_len", 1024))
     sizes = state.get("epoch_sizes", [len(train_ids)])
     order = epoch_order(state["seed"], state["epoch"], sizes)
     return [train_ids[int(k)] for k in order[state["cursor"]:state["cursor"] + int(hi)]]

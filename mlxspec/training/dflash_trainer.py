@@ -381,6 +381,13 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count
     return np.sort(rng.choice(np.arange(lo, hi), size=min(count, hi - lo), replace=False))
 
 
+def trainable_ids(store, max_seq_len: int) -> list[int]:
+    """Store ids of the sequences with a response to learn from once cut at `max_seq_len`
+    (at least two answer positions); an epoch's order indexes this list."""
+    return [i for i in range(len(store))
+            if min(len(store[i][0]), max_seq_len) - max(store[i][1] - 1, 0) >= 2]
+
+
 def epoch_order(seed: int, epoch: int, sizes: list[int]) -> np.ndarray:
     """The order in which an epoch visits training sequences 0..sizes[-1]-1: a shuffle of the
     first sizes[0], then a shuffle of each block added while the epoch ran (`sizes` grows when
@@ -746,8 +753,7 @@ def train_dflash(
         num_prompts=num_prompts, heldout=heldout, seed=seed, generator=generator,
         generate_batch_size=generate_batch_size, progress=progress)
     _, vocab, num_layers = target_sizes(target)
-    train_ids = [i for i in range(len(store))
-                 if min(len(store[i][0]), max_seq_len) - max(store[i][1] - 1, 0) >= 2]
+    train_ids = trainable_ids(store, max_seq_len)
     if not train_ids:
         raise ValueError("no training sequence has a response to learn from")
     heldout_prompts = [encode_prompt(tokenizer, p)[-max_prompt_tokens:]
