@@ -28,6 +28,7 @@ from mlxspec.training.dflash_trainer import (
     drafter_config_for,
     epoch_order,
     grow_drafter,
+    growth_donors,
     init_from_target,
     target_features,
     train_dflash,
@@ -312,6 +313,32 @@ def test_grown_drafter_drafts_as_before_until_trained():
     assert float(mx.abs(before - moved).max()) > 1e-3
     with pytest.raises(ValueError, match="not removed"):
         grow_drafter(grown_config, grown, 2)
+
+
+def test_grown_layers_start_from_target_layers_below_the_last(target):
+    """With donors (what training passes: target layer T-1-i for new layer i) a new layer takes
+    the target layer's weights where they fit, output projections still zeroed, so it still
+    drafts as before; a copy of the trained layer would add nothing new to learn from."""
+    config = drafter_config(num_hidden_layers=1, layer_types=["full_attention"], vocab=VOCAB)
+    weights = random_weights(config, seed=5)
+    donors = growth_donors(target, 1, 3)
+    t_layers = [dict(tree_flatten(layer.parameters())) for layer in target.model.layers]
+    assert len(donors) == 2
+    assert mx.array_equal(donors[0]["self_attn.q_proj.weight"], t_layers[2]["self_attn.q_proj.weight"])
+    assert mx.array_equal(donors[1]["self_attn.q_proj.weight"], t_layers[1]["self_attn.q_proj.weight"])
+    grown_config, grown = grow_drafter(config, weights, 3, donors)
+    for i, t in ((1, 2), (2, 1)):
+        for name in ("self_attn.q_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight",
+                     "input_layernorm.weight"):
+            assert mx.array_equal(grown[f"layers.{i}.{name}"], t_layers[t][name]), (i, name)
+        assert float(mx.abs(grown[f"layers.{i}.self_attn.o_proj.weight"]).max()) == 0
+    # names the target's layers lack (Qwen3's q_norm) come from the drafter's last layer
+    assert mx.array_equal(grown["layers.1.self_attn.q_norm.weight"],
+                          weights["layers.0.self_attn.q_norm.weight"])
+    features = mx.random.normal((7, 2 * 32), key=mx.random.key(1))
+    block = mx.random.normal((1, 6, 32), key=mx.random.key(2))
+    assert float(mx.abs(_drafter_outputs(config, weights, features, block)
+                        - _drafter_outputs(grown_config, grown, features, block)).max()) < 1e-6
 
 
 def test_a_run_resumed_with_more_layers_grows_its_drafter(target, tmp_path):
