@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the shipped DFlash drafter for SmolLM2-135M-Instruct was made (docs/dflash-training.md).
 # Resumable: run it again after a stop and it continues (data, then training, from the last save).
-# Usage: [STAGE=answers|conversations] [NUM_PROMPTS=N] [STOP_AFTER=S] [GAMMA=G] \
+# Usage: [STAGE=answers|conversations] [NUM_PROMPTS=N] [STOP_AFTER=S] [GAMMA=G] [LAYERS=L] \
 #          bash benchmarks/train_smollm2_dflash.sh [STEPS]
 # Stage "answers" (runs/dflash-smollm2): the target's own greedy answers to ShareGPT prompts, made
 # in three resumed runs (STEPS is the cosine schedule's length; a resume with a longer one raises
@@ -27,10 +27,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
 stage="${STAGE:-answers}"
-# Common: torch steps (3x MLX on this CPU), one drafter layer conditioned on target layers 1, 14,
+# Common: torch steps (3x MLX on this CPU), one drafter layer (LAYERS=2 with a resume grows it,
+# as in session 15's experiments; the shipped drafter has one) conditioned on target layers 1, 14,
 # 27; the loss over the 8192 most frequent response tokens; held-out tau on 8 ShareGPT prompts
 # never trained on (the same 8 in both stages: the split depends only on the first 64 prompts).
-common=(--prompts sharegpt --heldout 16 --max-new-tokens 256 --backend torch --layers 1
+common=(--prompts sharegpt --heldout 16 --max-new-tokens 256 --backend torch --layers "${LAYERS:-1}"
         --block-size 16 --target-layer-ids 1,14,27 --loss-vocab 8192 --anchors 256 --warmup 50
         --eval-every 200 --eval-prompts 8 --eval-max-tokens 48 --save-every 25)
 case $stage in
