@@ -318,7 +318,8 @@ def test_grown_drafter_drafts_as_before_until_trained():
 def test_grown_layers_start_from_target_layers_below_the_last(target):
     """With donors (what training passes: target layer T-1-i for new layer i) a new layer takes
     the target layer's weights where they fit, output projections still zeroed, so it still
-    drafts as before; a copy of the trained layer would add nothing new to learn from."""
+    drafts as before (a copy of the trained layer would compute what that layer already
+    feeds the stream)."""
     config = drafter_config(num_hidden_layers=1, layer_types=["full_attention"], vocab=VOCAB)
     weights = random_weights(config, seed=5)
     donors = growth_donors(target, 1, 3)
