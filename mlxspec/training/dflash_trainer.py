@@ -172,8 +172,8 @@ def init_from_target(model: DFlashModel, target, source_layers=None, *,
 
 
 # Residual-branch outputs: zeroed, a layer adds nothing to the stream it reads.
-_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight",
-                   "mlp.down_proj.bias")
+BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight",
+                  "mlp.down_proj.bias")
 
 
 def grow_drafter(config: dict, weights: dict, layers: int,
@@ -203,7 +203,7 @@ def grow_drafter(config: dict, weights: dict, layers: int,
         for name, w in list(weights.items()):
             if name.startswith(last):
                 sub = name[len(last):]
-                if sub in _BRANCH_OUTPUTS:
+                if sub in BRANCH_OUTPUTS:
                     w = mx.zeros_like(w)
                 elif sub in donor and donor[sub].shape == w.shape:
                     w = donor[sub].astype(w.dtype)
