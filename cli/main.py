@@ -40,6 +40,10 @@ def decoding_options(f):
                           "drafter checkpoint for --drafter dflash."),
         click.option("--block-size", type=int, default=None,
                      help="DFlash block size (2 .. the checkpoint's; default: the checkpoint's)."),
+        click.option("--draft-vocab/--full-vocab", default=True, show_default=True,
+                     help="DFlash: draft from the checkpoint's draft vocabulary (draft_vocab.json, "
+                          "the tokens it was trained to rank) when it has one, or from the full "
+                          "vocabulary. Output is the same either way."),
         click.option("--num-draft", "-k", type=int, default=None,
                      help="Drafts per step (default: the drafter's own)."),
         click.option("--adaptive/--fixed-k", default=True, show_default=True,
@@ -60,7 +64,8 @@ def decoding_options(f):
     return f
 
 
-def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None):
+def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None,
+                    draft_vocab=True):
     if num_draft is not None and num_draft < 1:
         raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
     if drafter == "draft" and not draft_model:
@@ -69,6 +74,8 @@ def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None
         raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
     if block_size is not None and drafter != "dflash":
         raise click.BadParameter("only applies to --drafter dflash", param_hint="--block-size")
+    if not draft_vocab and drafter != "dflash":
+        raise click.BadParameter("only applies to --drafter dflash", param_hint="--full-vocab")
     if max_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
 
@@ -79,10 +86,12 @@ def _check_backend(backend, device):
 
 
 def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None, backend="mlx",
-              device=None):
+              device=None, draft_vocab=True):
     import mlxspec
 
     options = {"block_size": block_size} if block_size is not None else {}
+    if not draft_vocab:
+        options["draft_vocab"] = False
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer,
@@ -123,8 +132,8 @@ def main():
 @model_options
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
-def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_size, num_draft,
-             adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template,
+def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_size, draft_vocab,
+             num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template,
              verbose):
     """Generate a reply to one prompt."""
     import mlxspec
@@ -134,10 +143,10 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size)
+    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab)
     _check_backend(backend, device)
     target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose, block_size,
-                                        backend, device)
+                                        backend, device, draft_vocab)
     text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
                         no_chat_template)
     last = None
@@ -160,15 +169,15 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_
 @decoding_options
 @click.option("--color/--no-color", default=None,
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
-def chat(model, dtype, backend, device, drafter, draft_model, block_size, num_draft, adaptive,
-         max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, color):
+def chat(model, dtype, backend, device, drafter, draft_model, block_size, draft_vocab, num_draft,
+         adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, color):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
 
-    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size)
+    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab)
     _check_backend(backend, device)
     target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, False, block_size,
-                                        backend, device)
+                                        backend, device, draft_vocab)
     color = sys.stdout.isatty() if color is None else color
     if backend == "torch":
         from mlxspec.torch_backend import TorchPromptCache as PromptCache
@@ -264,6 +273,8 @@ def _csv(kind):
 @click.option("--draft-model", default=None, help="Draft model for the draft drafter and mlx-lm.")
 @click.option("--dflash-model", default=None,
               help="DFlash drafter checkpoint for the target (default: the one shipped for it).")
+@click.option("--draft-vocab/--full-vocab", default=True, show_default=True,
+              help="DFlash: draft from the checkpoint's draft vocabulary when it has one.")
 @click.option("--suite", "suites", default="humaneval,mtbench,copy", show_default=True,
               callback=_csv(str), help="Comma-separated prompt suites.")
 @click.option("--temp", "temps", default="0", show_default=True, callback=_csv(float),
@@ -290,7 +301,8 @@ def _csv(kind):
               help="Also write the results table as Markdown.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
-def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, suites, temps,
+def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, draft_vocab, suites,
+          temps,
           max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft, with_llama_cpp,
           llama_cpp_gguf, llama_cpp_num_draft, out, markdown, plot):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
@@ -327,7 +339,9 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, su
     paths = {"draft": draft_model, "dflash": dflash_model}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
-        by_kind = {k: mlxspec.load_drafter(k, paths.get(k), model=target, tokenizer=tokenizer)
+        options = {"dflash": {} if draft_vocab else {"draft_vocab": False}}
+        by_kind = {k: mlxspec.load_drafter(k, paths.get(k), model=target, tokenizer=tokenizer,
+                                           **options.get(k, {}))
                    for k in kinds}
         built = {d: by_kind[d.split("@")[0]] for d in drafters}  # one drafter, several K
         lm_draft = None

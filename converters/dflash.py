@@ -11,7 +11,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..models.dflash import ARCHITECTURE, DFlashConfig, check_weights, read_config, read_weights
+from ..models.dflash import (
+    ARCHITECTURE,
+    DRAFT_VOCAB_FILE,
+    DFlashConfig,
+    check_weights,
+    read_config,
+    read_draft_vocab,
+    read_weights,
+)
 from .atomic import atomic_output_dir, check_output_dir
 from .hf import resolve_hf_source
 
@@ -52,8 +60,10 @@ def convert_dflash(
             f"architectures [{ARCHITECTURE!r}] nor a dflash_config"
         )
     config = read_config(path)
+    args = DFlashConfig.from_dict(config)
+    draft_vocab = read_draft_vocab(path, args.vocab_size)
     weights = read_weights(path)
-    check_weights(DFlashConfig.from_dict(config), weights)
+    check_weights(args, weights)
     if dtype is not None:
         weights = {
             k: v.astype(_DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
@@ -63,4 +73,6 @@ def convert_dflash(
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if draft_vocab is not None:
+            (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": draft_vocab}) + "\n")
     return Path(out_dir).expanduser()

@@ -293,6 +293,34 @@ def read_config(path: Path) -> dict:
     return json.loads(config_path.read_text())
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(path: Path, vocab_size: int) -> list[int] | None:
+    """The checkpoint's draft vocabulary, or None when it has none (z-lab's checkpoints don't).
+
+    draft_vocab.json, {"token_ids": [...]}, lists the tokens a drafter trained with a reduced
+    loss vocabulary learned to rank; drafting from their head rows only skips the cost of the
+    rest (the head is most of a drafter pass for a small target with a large vocabulary).
+    Kept out of *.safetensors so that engines reading z-lab's format see only z-lab's names.
+    """
+    file = Path(path) / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    try:
+        ids = json.loads(file.read_text())["token_ids"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{file} is not a draft vocabulary ({{\"token_ids\": [...]}}): {err}") from None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise ValueError(f"{file}: token_ids must be a non-empty list of integers")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{file}: token ids {bad[:5]} outside the vocabulary of {vocab_size}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{file}: token_ids repeats some ids")
+    return sorted(ids)
+
+
 def read_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of the directory's *.safetensors files (pickle checkpoints never load)."""
     files = sorted(Path(path).glob("*.safetensors"))

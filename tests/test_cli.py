@@ -158,6 +158,9 @@ def test_generate_with_the_shipped_dflash_drafter(plain):
     assert r.stdout == plain.stdout
     assert re.search(r"^Drafter: dflash \(up to 15 drafts per step\)$", r.stderr, re.M), r.stderr
     assert re.search(r"^Target passes: \d+, drafted: \d+, accepted: \d+", r.stderr, re.M)
+    full = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter", "dflash",
+                     "--full-vocab"))  # drafts ranked over all 49,152 tokens, not its 8,192
+    assert full.stdout == plain.stdout
 
 
 @slow
@@ -451,6 +454,10 @@ def test_error_non_positive_counts(option):
 
 def test_error_unknown_drafter():
     assert_clean_error(gen("--drafter", "bogus"), "--drafter", "bogus")
+
+
+def test_error_full_vocab_without_dflash():
+    assert_clean_error(gen("--drafter", "lookup", "--full-vocab"), "--full-vocab", "dflash")
 
 
 def test_error_draft_without_model():

@@ -9,6 +9,7 @@ import json
 from collections import Counter
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
@@ -24,7 +25,7 @@ from test_sampling_exactness import (
 from tiny_models import tiny_llama
 
 from mlxspec.converters.dflash import convert_dflash, is_dflash_checkpoint
-from mlxspec.drafters.dflash import DFlashDrafter, load_dflash_drafter
+from mlxspec.drafters.dflash import DFlashDrafter, head_rows, load_dflash_drafter
 from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
@@ -189,13 +190,15 @@ def small_vocab_target():
     return tiny_llama(vocab=VOCAB, seed=11, sharpness=2.5)
 
 
-def test_sampled_output_follows_target_distribution(small_vocab_target, tmp_path):
-    """Chi-squared against the exact distribution, as tests/test_sampling_exactness.py does."""
+@pytest.mark.parametrize("draft_vocab", [None, [0, 1, 3]])
+def test_sampled_output_follows_target_distribution(small_vocab_target, tmp_path, draft_vocab):
+    """Chi-squared against the exact distribution, as tests/test_sampling_exactness.py does;
+    also with drafts from part of the vocabulary."""
     model = small_vocab_target
-    drafter = load_dflash_drafter(
-        make_drafter_dir(tmp_path, seed=5, vocab=VOCAB, target_layers=2, target_layer_ids=[0, 1]),
-        model=model,
-    )
+    path = make_drafter_dir(tmp_path, seed=5, vocab=VOCAB, target_layers=2, target_layer_ids=[0, 1])
+    if draft_vocab is not None:
+        with_draft_vocab(path, draft_vocab)
+    drafter = load_dflash_drafter(path, model=model)
     mx.random.seed(1234)
     counts, stats = Counter(), SpecStats()
     for _ in range(SAMPLES):
@@ -208,6 +211,72 @@ def test_sampled_output_follows_target_distribution(small_vocab_target, tmp_path
     assert 0 < stats.accepted < stats.drafted  # both acceptance and rejection happened
     pvalue = chi_squared_pvalue(counts, exact_distribution(model, SAMPLING))
     assert pvalue > 0.001, f"p = {pvalue:.2g}"
+
+
+DRAFT_VOCAB = [0, 2, 3, 5, 8, 10]
+
+
+def with_draft_vocab(path, token_ids=DRAFT_VOCAB):
+    (path / "draft_vocab.json").write_text(json.dumps({"token_ids": token_ids}))
+    return path
+
+
+def test_draft_vocab_drafts_its_best_rows_and_output_is_unchanged(target, tmp_path):
+    """With draft_vocab.json each draft is the best of those tokens by the full head's logits,
+    greedy output stays the plain output, and draft_vocab=False ignores the file."""
+    path = with_draft_vocab(make_drafter_dir(tmp_path, seed=3))
+    sub = load_dflash_drafter(path, model=target)
+    full = load_dflash_drafter(path, model=target, draft_vocab=False)
+    assert full.draft_ids is None and sub.draft_ids.tolist() == DRAFT_VOCAB
+    ids, outside = mx.array(DRAFT_VOCAB), 0
+    for prompt in PROMPTS[:3]:
+        features = MLXTarget(target, capture_layers=sub.capture_layers).prefill(prompt)
+        sub.begin(prompt, features)
+        full.begin(prompt, features)
+        logits = full.block_logits(prompt, 5)
+        outside += sum(t not in DRAFT_VOCAB for t in mx.argmax(logits, axis=-1).tolist())
+        best_rows = ids[mx.argmax(logits[:, ids], axis=-1)]
+        assert sub.propose(prompt, 5, GREEDY).tokens.tolist() == best_rows.tolist()
+    assert outside > 0  # the full vocabulary would have drafted other tokens
+    for prompt in PROMPTS:
+        assert run(target, sub, prompt)[0] == run(target, Drafter(), prompt)[0]
+
+
+@pytest.mark.parametrize("kind", ["linear", "linear with bias", "tied embedding",
+                                  "quantized embedding", "quantized linear with bias"])
+def test_head_rows_compute_the_heads_logits_for_those_tokens(kind):
+    mx.random.seed(0)
+    if kind.startswith("linear"):
+        head = nn.Linear(64, 40, bias="bias" in kind)
+    elif kind == "tied embedding":
+        head = nn.Embedding(40, 64).as_linear
+    elif kind == "quantized embedding":
+        head = nn.QuantizedEmbedding.from_embedding(nn.Embedding(40, 64), 32, 4).as_linear
+    else:
+        head = nn.QuantizedLinear.from_linear(nn.Linear(64, 40), 32, 4)
+    ids = mx.array([1, 4, 5, 17, 39])
+    hidden = mx.random.normal((3, 64))
+    assert mx.allclose(head_rows(head, ids)(hidden), head(hidden)[:, ids], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        ('{"ids": [1, 2]}', "is not a draft vocabulary"),
+        ("[1, 2]", "is not a draft vocabulary"),
+        ("not json", "is not a draft vocabulary"),
+        ('{"token_ids": []}', "non-empty list of integers"),
+        ('{"token_ids": [1, 2.0]}', "non-empty list of integers"),
+        ('{"token_ids": [1, 12]}', "outside the vocabulary of 12"),
+        ('{"token_ids": [3, 1, 3]}', "repeats"),
+    ],
+)
+def test_bad_draft_vocab_refused(target, tmp_path, content, words):
+    path = make_drafter_dir(tmp_path)
+    (path / "draft_vocab.json").write_text(content)
+    with pytest.raises(ValueError, match=words):
+        load_dflash_drafter(path, model=target)
+    assert load_dflash_drafter(path, model=target, draft_vocab=False).draft_ids is None
 
 
 def test_target_without_features_refused(target, drafter_dir):
@@ -309,6 +378,16 @@ def test_convert_casts_validates_and_writes_atomically(target, drafter_dir, tmp_
     (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="not a DFlash drafter"):
         convert_dflash(broken, tmp_path / "never")
+
+
+def test_convert_keeps_the_draft_vocab(target, tmp_path):
+    source = with_draft_vocab(make_drafter_dir(tmp_path / "source"), [5, 0, 2])
+    out = convert_dflash(source, tmp_path / "converted")
+    assert load_dflash_drafter(out, model=target).draft_ids.tolist() == [0, 2, 5]
+    (source / "draft_vocab.json").write_text('{"token_ids": [99]}')
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        convert_dflash(source, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_uncached_repo_id_offline_is_a_clear_error(target, tmp_path, monkeypatch):

@@ -239,6 +239,21 @@ def test_tiny_twin_and_sliding_dflash_match(tiny_target, tmp_path):
                         "tiny target + sliding DFlash")
 
 
+def test_draft_vocab_drafts_match(tiny_target, tmp_path):
+    """A checkpoint with a draft vocabulary drafts the same tokens, all from it, on both backends."""
+    from test_dflash import make_drafter_dir, with_draft_vocab
+
+    twin = torch_twin(tiny_target, tmp_path / "twin")
+    path = with_draft_vocab(make_drafter_dir(tmp_path / "dflash", seed=3), [0, 2, 3, 5, 8, 10])
+    theirs = load_mlx_dflash(path, model=tiny_target)
+    mine = mlxspec.load_drafter("dflash", path, model=twin, tokenizer=None)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    _features_and_block_logits(tiny_target, twin, theirs, mine, ids, 5)  # begin() both
+    drafts = mine.propose(ids, 5, SamplingConfig()).tokens.tolist()
+    assert drafts == theirs.propose(ids, 5, SamplingConfig()).tokens.tolist()
+    assert set(drafts) <= {0, 2, 3, 5, 8, 10}
+
+
 # ---- Training on torch: the same run as on MLX ---------------------------------------------
 
 TRAIN_PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 3], [5, 9, 11, 5], [3, 8, 1], [2, 4, 6, 8], [10, 1, 10]]

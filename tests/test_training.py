@@ -272,6 +272,29 @@ def test_packaged_drafter_is_found_for_its_target_only(target, tmp_path, monkeyp
         mlxspec.load_drafter("dflash", model=other, tokenizer=None)
 
 
+def test_loss_vocabulary_becomes_the_draft_vocabulary(target, tmp_path):
+    """A run with a loss vocabulary writes it as the checkpoint's draft vocabulary (the rows the
+    drafter learned to rank), measures τ drafting from it, and packaging carries it; a run
+    without one leaves none behind."""
+    from mlxspec.training.dflash_trainer import package_drafter
+
+    result = _train(target, tmp_path / "run", steps=2, loss_vocab=8, eval_every=2,
+                    eval_max_tokens=8)
+    loss_ids = mx.load(str(tmp_path / "run" / "train_state" / "loss_vocab.safetensors"))["ids"]
+    drafter = load_dflash_drafter(tmp_path / "run", model=target)
+    assert drafter.draft_ids.tolist() == loss_ids.tolist() and len(loss_ids) >= 8
+    assert result.taus and 1.0 <= result.taus[-1][1]
+    for prompt in ([1, 2, 3], [9, 4, 4, 4, 17]):
+        plain, spec = _plain_and_spec(target, drafter, prompt)
+        assert spec == plain
+    dest = package_drafter(tmp_path / "run", tmp_path / "trained", target)
+    assert load_dflash_drafter(dest, model=target).draft_ids.tolist() == loss_ids.tolist()
+    _train(target, tmp_path / "full", steps=1)
+    assert not (tmp_path / "full" / "draft_vocab.json").exists()
+    package_drafter(tmp_path / "full", dest, target)
+    assert load_dflash_drafter(dest, model=target).draft_ids is None
+
+
 def test_training_continues_from_a_checkpoint(target, tmp_path):
     """--init DIR starts from a trained drafter (its config, its weights with the feature scale
     unfolded): before any step the new run's checkpoint is the old one."""

@@ -12,10 +12,18 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..hidden_states import decoder_layers
-from ..models.dflash import DFlashConfig, DFlashModel, check_weights, read_config, read_weights
+from ..models.dflash import (
+    DFlashConfig,
+    DFlashModel,
+    check_weights,
+    read_config,
+    read_draft_vocab,
+    read_weights,
+)
 from ..sampling import SamplingConfig
 
 
@@ -31,13 +39,18 @@ class DFlashDrafter(Drafter):
         block_size: int | None = None,
         final_norm=None,
         target_layers: int | None = None,
+        draft_vocab=None,
     ):
         self.model = model
         self.args = model.args
         self.block_size = check_block_size(block_size, self.args.block_size)
         self.default_num_draft = self.block_size - 1
         self.capture_layers = tuple(self.args.target_layer_ids)
-        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        self.embed_tokens = embed_tokens
+        # Drafts come from `draft_vocab`'s head rows only when given (their logits are all a
+        # draft needs); verification still uses the target's full head, so nothing is lost.
+        self.draft_ids = None if draft_vocab is None else mx.array(draft_vocab, dtype=mx.int32)
+        self.lm_head = lm_head if draft_vocab is None else head_rows(lm_head, self.draft_ids)
         # transformers' hidden_states[-1], which z-lab's reference conditions on, is the last
         # layer's output after the final norm; our capture is before it.
         last = None if target_layers is None else target_layers - 1
@@ -94,7 +107,8 @@ class DFlashDrafter(Drafter):
             c.trim(excess)
 
     def block_logits(self, tokens: list[int], num_draft: int) -> mx.array:
-        """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last)."""
+        """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last), V
+        running over the draft vocabulary when there is one."""
         self._rewind(len(tokens) - 1)
         block = mx.array([[tokens[-1]] + [self.args.mask_token_id] * num_draft], dtype=mx.int32)
         embeddings = self.embed_tokens(block) * self.args.input_embedding_scale  # (1, L, H)
@@ -107,6 +121,8 @@ class DFlashDrafter(Drafter):
         if num_draft < 1:
             return EMPTY_DRAFT
         drafts = mx.argmax(self.block_logits(tokens, num_draft), axis=-1)
+        if self.draft_ids is not None:
+            drafts = self.draft_ids[drafts]
         return Draft(tokens=drafts.astype(mx.int32))
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
@@ -121,6 +137,27 @@ def check_block_size(block_size: int | None, trained: int) -> int:
             f"DFlash block size must be between 2 and the checkpoint's {trained}, got {block_size}"
         )
     return int(block_size)
+
+
+def head_rows(head, ids: mx.array) -> nn.Module:
+    """A linear layer computing `head`'s logits for `ids` only: rows of a Linear, of a tied
+    Embedding (its `as_linear`) or of their quantized forms (packed rows slice exactly)."""
+    owner = getattr(head, "__self__", head)
+    if "scales" in owner:
+        rows = nn.QuantizedLinear(owner.group_size, 1, bias=False, group_size=owner.group_size,
+                                  bits=owner.bits, mode=getattr(owner, "mode", "affine"))
+        rows.scales = owner["scales"][ids]
+        if "biases" in owner:
+            rows.biases = owner["biases"][ids]
+        elif "biases" in rows:
+            del rows["biases"]
+    else:
+        rows = nn.Linear(1, 1, bias=False)
+    rows.weight = owner["weight"][ids]
+    if "bias" in owner:
+        rows.bias = owner["bias"][ids]
+    mx.eval(rows.parameters())
+    return rows
 
 
 def _dtype_of(module) -> mx.Dtype:
@@ -222,13 +259,15 @@ def shipped_drafter_for(model) -> Path | None:
 
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
-                        dtype=None) -> DFlashDrafter:
+                        dtype=None, draft_vocab: bool = True) -> DFlashDrafter:
     """Load a DFlash checkpoint for target `model`: a directory with config.json and
     *.safetensors, or a Hub repo id (through the Hugging Face cache; HF_HUB_OFFLINE applies).
 
     Everything is checked before any compute: the config against the target, then every weight
     name and shape against the config. `tokenizer` is accepted for symmetry with other drafters.
     `dtype`: None runs the checkpoint's dtype, "target" the target's, or an mx.Dtype.
+    `draft_vocab`: draft from the checkpoint's draft vocabulary (draft_vocab.json) when it has
+    one; False ranks the whole vocabulary.
     """
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -238,6 +277,7 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     args = DFlashConfig.from_dict(read_config(path))
     check_against_target(args, model)
     check_block_size(block_size, args.block_size)
+    vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
     weights = read_weights(path)
     drafter_model = check_weights(args, weights)
     if dtype == "target":  # e.g. a bf16-stored drafter on an fp32 CPU target
@@ -258,4 +298,5 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
         block_size=block_size,
         final_norm=target_final_norm(model),
         target_layers=len(decoder_layers(model)),
+        draft_vocab=vocab,
     )

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..drafters.dflash import check_against_target, check_block_size
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ..models.dflash import DFlashConfig, read_config
+from ..models.dflash import DFlashConfig, read_config, read_draft_vocab
 from ..sampling import SamplingConfig
 from .target import decoder_layers, host_tokens, model_device
 
@@ -261,13 +261,20 @@ class TorchDFlashDrafter(Drafter):
     backend = "torch"
 
     def __init__(self, model: DFlashModel, *, embed_tokens, lm_head, block_size=None,
-                 final_norm=None, target_layers: int | None = None):
+                 final_norm=None, target_layers: int | None = None, draft_vocab=None):
         self.model = model
         self.args = model.args
         self.block_size = check_block_size(block_size, self.args.block_size)
         self.default_num_draft = self.block_size - 1
         self.capture_layers = tuple(self.args.target_layer_ids)
-        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        self.embed_tokens = embed_tokens
+        self.draft_ids = None
+        if draft_vocab is not None:  # drafts from these head rows only; verification is unchanged
+            self.draft_ids = torch.tensor(draft_vocab, device=lm_head.weight.device)
+            bias = getattr(lm_head, "bias", None)
+            lm_head = _WeightHead(lm_head.weight[self.draft_ids],
+                                  None if bias is None else bias[self.draft_ids])
+        self.lm_head = lm_head
         # Our capture is before the target's final norm; z-lab conditions on transformers'
         # hidden_states[-1], which is after it, for the last layer.
         last = None if target_layers is None else target_layers - 1
@@ -324,7 +331,8 @@ class TorchDFlashDrafter(Drafter):
 
     @torch.inference_mode()
     def block_logits(self, tokens: list[int], num_draft: int) -> torch.Tensor:
-        """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last)."""
+        """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last), V
+        running over the draft vocabulary when there is one."""
         self._rewind(len(tokens) - 1)
         block = host_tokens([tokens[-1]] + [self.args.mask_token_id] * num_draft, self.device)
         block = block[None]  # (1, L)
@@ -337,7 +345,8 @@ class TorchDFlashDrafter(Drafter):
         num_draft = min(k, self.block_size - 1)
         if num_draft < 1:
             return EMPTY_DRAFT
-        return Draft(tokens=torch.argmax(self.block_logits(tokens, num_draft), dim=-1))
+        drafts = torch.argmax(self.block_logits(tokens, num_draft), dim=-1)
+        return Draft(tokens=drafts if self.draft_ids is None else self.draft_ids[drafts])
 
     @torch.inference_mode()
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
@@ -409,7 +418,8 @@ def final_norm_of(model):
     return getattr(inner, "norm", None)
 
 
-def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None):
+def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
+                        draft_vocab: bool = True):
     """Load a DFlash checkpoint for a transformers target `model` (see the MLX loader); the
     drafter runs on the target's device, in the target's dtype."""
     path = Path(path).expanduser()
@@ -420,13 +430,14 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     args = DFlashConfig.from_dict(read_config(path))
     check_against_target(args, _sizes_view(model))
     check_block_size(block_size, args.block_size)
+    vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
     device = model_device(model)
     drafter_model = build_checked(args, read_weights(path, device))
     drafter_model.to(device=device, dtype=next(model.parameters()).dtype)
     embed = getattr(drafter_model, "embed_tokens", None)
     head = getattr(drafter_model, "lm_head", None)
     if head is None and embed is not None and args.tie_word_embeddings:
-        head = _TiedHead(embed)
+        head = _WeightHead(embed.weight)
     return TorchDFlashDrafter(
         drafter_model,
         embed_tokens=embed if embed is not None else model.get_input_embeddings(),
@@ -434,15 +445,16 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
         block_size=block_size,
         final_norm=final_norm_of(model),
         target_layers=len(decoder_layers(model)),
+        draft_vocab=vocab,
     )
 
 
-class _TiedHead(nn.Module):
-    """An embedding used as the LM head (a drafter with its own tied vocabulary)."""
+class _WeightHead(nn.Module):
+    """An LM head from a weight matrix: a tied embedding's, or a head's draft-vocabulary rows."""
 
-    def __init__(self, embed: nn.Embedding):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.weight = embed.weight
+        self.weight, self.bias = weight, bias
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)

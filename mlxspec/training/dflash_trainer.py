@@ -51,6 +51,7 @@ from ..drafters.dflash import (
 from ..hidden_states import capture_layer_outputs, concat_features, decoder_layers
 from ..models.dflash import (
     ARCHITECTURE,
+    DRAFT_VOCAB_FILE,
     DFlashConfig,
     DFlashModel,
     build_target_layer_ids,
@@ -452,8 +453,10 @@ def export_weights(weights: dict, inv_scale: mx.array | None) -> dict[str, mx.ar
     return weights
 
 
-def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target) -> DFlashDrafter:
-    """An inference drafter with the given training weights (scale folded), for τ measurement."""
+def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target,
+                   draft_vocab=None) -> DFlashDrafter:
+    """An inference drafter with the given training weights (scale folded), for τ measurement;
+    it drafts from `draft_vocab` (the loss vocabulary) as the written checkpoint will."""
     copy = DFlashModel(args)
     copy.load_weights(list(export_weights(weights, inv_scale).items()))
     mx.eval(copy.parameters())
@@ -461,23 +464,33 @@ def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target) -> DFla
     return DFlashDrafter(
         copy, embed_tokens=target_embedding(target), lm_head=target_head(target),
         final_norm=target_final_norm(target), target_layers=len(decoder_layers(target)),
+        draft_vocab=draft_vocab,
     )
 
 
-def write_checkpoint(out: Path, config: dict, weights: dict, inv_scale) -> None:
+def write_checkpoint(out: Path, config: dict, weights: dict, inv_scale, draft_vocab=None) -> None:
+    """config.json + model.safetensors (z-lab's format), and with a loss vocabulary its ids as
+    the draft vocabulary: the rows the drafter learned to rank, all that drafting needs."""
     out.mkdir(parents=True, exist_ok=True)
     state = out / STATE_DIR
     state.mkdir(exist_ok=True)
     _atomic_save_safetensors(out / "model.safetensors", export_weights(weights, inv_scale),
                              tmp_dir=state)  # the temporary file must not sit beside config.json
     _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    if draft_vocab is not None:
+        write_draft_vocab(out, draft_vocab)
+
+
+def write_draft_vocab(out: Path, token_ids) -> None:
+    ids = sorted(int(i) for i in token_ids)
+    _atomic_write_text(Path(out) / DRAFT_VOCAB_FILE, json.dumps({"token_ids": ids}) + "\n")
 
 
 def package_drafter(run_dir, dest, target, *, dtype=mx.bfloat16, notes: dict | None = None) -> Path:
     """Copy a trained checkpoint into `dest` as a shippable drafter: config.json, the weights in
-    `dtype` (bf16 halves the size; loading casts to the target's dtype) and target.json, which
-    names the target it was trained for (sizes and embedding checksum) so that
-    `--drafter dflash` finds it for that target only."""
+    `dtype` (bf16 halves the size; loading casts to the target's dtype), its draft vocabulary if
+    any, and target.json, which names the target it was trained for (sizes and embedding
+    checksum) so that `--drafter dflash` finds it for that target only."""
     from ..drafters.dflash import embedding_checksum
 
     run_dir, dest = Path(run_dir), Path(dest)
@@ -487,6 +500,11 @@ def package_drafter(run_dir, dest, target, *, dtype=mx.bfloat16, notes: dict | N
     config = json.loads((run_dir / "config.json").read_text())
     config["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
     _atomic_write_text(dest / "config.json", json.dumps(config, indent=2) + "\n")
+    vocab_file = run_dir / DRAFT_VOCAB_FILE
+    if vocab_file.is_file():
+        _atomic_write_text(dest / DRAFT_VOCAB_FILE, vocab_file.read_text())
+    else:  # a drafter trained on the full vocabulary drafts from all of it
+        (dest / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     hidden, vocab, layers = target_sizes(target)
     _atomic_write_text(dest / "target.json", json.dumps({
         "hidden_size": hidden, "vocab_size": vocab, "num_layers": layers,
@@ -870,7 +888,7 @@ def train_dflash(
     def save():
         state_dir.mkdir(parents=True, exist_ok=True)
         current = math.weights()
-        write_checkpoint(out, config, current, inv_scale)
+        write_checkpoint(out, config, current, inv_scale, draft_vocab=loss_ids)
         _atomic_save_safetensors(state_dir / "params.safetensors", current, tmp_dir=state_dir)
         math.save_optimizer(state_dir)
         _atomic_write_text(state_dir / "state.json", json.dumps({
@@ -935,7 +953,8 @@ def train_dflash(
                      + n_tokens // bs}
             result.losses.append((step, loss))
             if eval_every and heldout_prompts and (step % eval_every == 0 or step == end):
-                drafter = export_drafter(args, math.weights(), inv_scale, target)
+                drafter = export_drafter(args, math.weights(), inv_scale, target,
+                                         draft_vocab=loss_ids)
                 last_tau = heldout_tau(target, drafter, heldout_prompts, tokenizer=tokenizer,
                                        max_tokens=eval_max_tokens)
                 entry["tau"] = round(last_tau, 4)
