@@ -12,11 +12,9 @@ mlxspec=.venv/bin/mlxspec
 
 if [[ "${1:-}" == "dflash" ]]; then
   # The drafter's bar (docs/dflash-training.md): its tau against prompt lookup's on the same
-  # prompts, both at full blocks (name@15) and with the adaptive K, greedy and T=1; ours only.
-  $mlxspec bench --drafters none,lookup,dflash,lookup@15,dflash@15 --suite humaneval,mtbench \
-    --temp 0,1 --limit 10 --max-tokens 64 --no-mlx-lm --no-llama-cpp \
-    --out $out/smollm2-dflash-vs-lookup.json --markdown $out/smollm2-dflash-vs-lookup.md \
-    --plot $out/smollm2-dflash-vs-lookup.png
+  # prompts, both at full blocks (name@15) and with the adaptive K, greedy and T=1, and the
+  # drafter drafting from its draft vocabulary vs the full one; ours only (one interleaved run).
+  .venv/bin/python benchmarks/bench_dflash.py $out/smollm2-dflash-vs-lookup
   exit 0
 fi
 
