@@ -1,0 +1,78 @@
+"""What the shipped DFlash drafter's draft vocabulary saves and what it leaves out
+(docs/dflash-training.md): the time of a drafter pass drafting from the full head and from the
+draft vocabulary's rows, beside the target's decode step; and the share of the target's own
+greedy tokens on the benchmark prompts that a draft vocabulary of the N most frequent answer
+tokens holds (8,192 is the shipped one).
+Usage: python benchmarks/draft_vocab_cost.py
+"""
+
+import time
+
+import mlxspec  # first: it loads OpenBLAS before MLX is imported
+
+import mlx.core as mx  # noqa: I001
+from mlxspec.engine import EMPTY_DRAFT
+from mlxspec.mlx_backend import MLXTarget
+from mlxspec.prompts import humaneval_prompts, mtbench_prompts
+from mlxspec.sampling import SamplingConfig
+from mlxspec.training.data import SequenceStore, eos_ids
+from mlxspec.training.dflash_trainer import frequent_tokens, trainable_ids
+
+GREEDY = SamplingConfig()
+
+
+def best_ms(fn, calls=40, repeats=3):
+    for _ in range(5):  # warm-up
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return min(times)
+
+
+def pass_times(model, tokenizer):
+    sub = mlxspec.load_drafter("dflash", model=model, tokenizer=tokenizer)
+    full = mlxspec.load_drafter("dflash", model=model, tokenizer=tokenizer, draft_vocab=False)
+    prompt = tokenizer.encode("Write a Python function that returns the sum of the squares of a list.")
+    target = MLXTarget(model, capture_layers=sub.capture_layers, speculative=True)
+    features = target.prefill(prompt)
+    sub.begin(prompt, features)
+    full.begin(prompt, features)
+
+    def decode():
+        target.verify(prompt[-1], EMPTY_DRAFT, GREEDY)
+        target.trim(1)
+
+    print(f"target decode step: {best_ms(decode):.1f} ms")
+    for k in (1, 2, 4, 15):
+        full_ms, sub_ms = (best_ms(lambda d=d: mx.eval(d.propose(prompt, k, GREEDY).tokens))
+                           for d in (full, sub))
+        print(f"drafter pass, {k} drafts: full vocabulary {full_ms:.1f} ms, "
+              f"draft vocabulary {sub_ms:.1f} ms")
+
+
+def coverage(model, tokenizer, sizes=(8192, 16384, 32768)):
+    # As the conversations stage chose its loss vocabulary (benchmarks/smollm2_draft_vocab.py).
+    store = SequenceStore("data/dflash-smollm2/conversations")
+    first = [store[i] for i in range(2984)]
+    answers = [first[i] for i in trainable_ids(first, 1024)]
+    for suite, prompts in (("humaneval", humaneval_prompts(10)), ("mtbench", mtbench_prompts(10))):
+        tokens = []
+        for p in prompts:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                 add_generation_prompt=True, tokenize=False)
+            tokens += [r.token for r in mlxspec.stream_generate(model, tokenizer, text, 64)]
+        for n in sizes:
+            vocab = set(frequent_tokens(answers, len(tokenizer.vocab), n, always=eos_ids(tokenizer)))
+            inside = sum(t in vocab for t in tokens)
+            print(f"{suite}: {inside}/{len(tokens)} = {inside / len(tokens):.1%} of the target's "
+                  f"greedy tokens in the {n} most frequent answer tokens")
+
+
+if __name__ == "__main__":
+    model, tokenizer = mlxspec.load(None)
+    pass_times(model, tokenizer)
+    coverage(model, tokenizer)
