@@ -36,7 +36,7 @@ def best_ms(fn, calls=40, repeats=3):
 def pass_times(model, tokenizer):
     sub = mlxspec.load_drafter("dflash", model=model, tokenizer=tokenizer)
     full = mlxspec.load_drafter("dflash", model=model, tokenizer=tokenizer, draft_vocab=False)
-    prompt = tokenizer.encode("Write a Python function that returns the sum of the squares of a list.")
+    prompt = tokenizer.encode("Write a Python function returning the sum of a list's squares.")
     target = MLXTarget(model, capture_layers=sub.capture_layers, speculative=True)
     features = target.prefill(prompt)
     sub.begin(prompt, features)
@@ -66,7 +66,8 @@ def coverage(model, tokenizer, sizes=(8192, 16384, 32768)):
                                                  add_generation_prompt=True, tokenize=False)
             tokens += [r.token for r in mlxspec.stream_generate(model, tokenizer, text, 64)]
         for n in sizes:
-            vocab = set(frequent_tokens(answers, len(tokenizer.vocab), n, always=eos_ids(tokenizer)))
+            vocab = set(frequent_tokens(answers, len(tokenizer.vocab), n,
+                                        always=eos_ids(tokenizer)))
             inside = sum(t in vocab for t in tokens)
             print(f"{suite}: {inside}/{len(tokens)} = {inside / len(tokens):.1%} of the target's "
                   f"greedy tokens in the {n} most frequent answer tokens")

@@ -14,7 +14,8 @@ from mlxspec.training.data import SequenceStore, eos_ids
 from mlxspec.training.dflash_trainer import frequent_tokens, trainable_ids, write_draft_vocab
 
 DEST = "mlxspec/drafters/trained/smollm2-135m-instruct-b16"
-STORE, STORED_AT_START, LOSS_VOCAB, MAX_SEQ_LEN = "data/dflash-smollm2/conversations", 2984, 8192, 1024
+STORE = "data/dflash-smollm2/conversations"
+STORED_AT_START, LOSS_VOCAB, MAX_SEQ_LEN = 2984, 8192, 1024
 
 
 def main():

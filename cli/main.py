@@ -133,8 +133,8 @@ def main():
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
 def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_size, draft_vocab,
-             num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template,
-             verbose):
+             num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system,
+             no_chat_template, verbose):
     """Generate a reply to one prompt."""
     import mlxspec
     from mlxspec.generate import format_stats
@@ -302,9 +302,8 @@ def _csv(kind):
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
 def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, draft_vocab, suites,
-          temps,
-          max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft, with_llama_cpp,
-          llama_cpp_gguf, llama_cpp_num_draft, out, markdown, plot):
+          temps, max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft,
+          with_llama_cpp, llama_cpp_gguf, llama_cpp_num_draft, out, markdown, plot):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark, save_report

@@ -310,7 +310,9 @@ def read_draft_vocab(path: Path, vocab_size: int) -> list[int] | None:
     try:
         ids = json.loads(file.read_text())["token_ids"]
     except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{file} is not a draft vocabulary ({{\"token_ids\": [...]}}): {err}") from None
+        raise ValueError(
+            f'{file} is not a draft vocabulary ({{"token_ids": [...]}}): {err}'
+        ) from None
     if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
         raise ValueError(f"{file}: token_ids must be a non-empty list of integers")
     bad = [i for i in ids if not 0 <= i < vocab_size]

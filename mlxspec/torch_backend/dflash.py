@@ -272,8 +272,8 @@ class TorchDFlashDrafter(Drafter):
         if draft_vocab is not None:  # drafts from these head rows only; verification is unchanged
             self.draft_ids = torch.tensor(draft_vocab, device=lm_head.weight.device)
             bias = getattr(lm_head, "bias", None)
-            lm_head = _WeightHead(lm_head.weight[self.draft_ids],
-                                  None if bias is None else bias[self.draft_ids])
+            lm_head = _WeightHead(lm_head.weight[self.draft_ids].detach(),
+                                  None if bias is None else bias[self.draft_ids].detach())
         self.lm_head = lm_head
         # Our capture is before the target's final norm; z-lab conditions on transformers'
         # hidden_states[-1], which is after it, for the last layer.
