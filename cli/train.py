@@ -72,7 +72,9 @@ def train():
               help="With --init target: also start the drafter's final norm as the target's.")
 @click.option("--loss-vocab", type=int, default=None,
               help="Train against the N most frequent response tokens' head rows only "
-                   "(cheaper steps; inference keeps the full head). Default: the full vocabulary.")
+                   "(cheaper steps), which the checkpoint keeps as its draft vocabulary (cheaper "
+                   "drafting; verification keeps the full head). 8192 held 85-92% of SmolLM2's "
+                   "tokens on the benchmark suites, 16384 92-95%. Default: the full vocabulary.")
 @click.option("--generate-with", type=click.Choice(["mlx", "torch"]), default="mlx",
               show_default=True,
               help="Backend that writes the target's responses (batched; torch is ~2x faster on "
