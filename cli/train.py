@@ -137,3 +137,6 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
         raise click.ClickException(str(err)) from None
     tau = f", held-out tau {result.taus[-1][1]:.2f}" if result.taus else ""
     click.echo(f"step {result.step}: checkpoint in {result.out}{tau}")
+    if result.loss_vocab_share is not None:
+        click.echo(f"the loss (and draft) vocabulary holds {result.loss_vocab_share:.1%} of the "
+                   "answers' tokens; the rest are never learned nor drafted")

@@ -532,7 +532,11 @@ def test_train_dflash_stops_after_and_resumes(tmp_path, smollm_first_layers):
     state = json.loads((run / "train_state" / "state.json").read_text())
     assert state["step"] == 2 and state["steps"] == 4
     assert state["labels"] == "target" and state["gamma"] == 2
-    assert "step 4: checkpoint in" in ok(invoke(*args, "--resume")).output
+    resumed = ok(invoke(*args, "--resume")).output
+    assert "step 4: checkpoint in" in resumed
+    # a few short answers: all their tokens are among the 256 most frequent
+    assert "the loss (and draft) vocabulary holds 100.0% of the answers' tokens" in resumed
+    assert (run / "draft_vocab.json").is_file()
     state = json.loads((run / "train_state" / "state.json").read_text())
     assert [e["step"] for e in state["log"]] == [1, 2, 3, 4]
     assert (run / "config.json").is_file() and (run / "model.safetensors").is_file()

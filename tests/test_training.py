@@ -227,6 +227,14 @@ def test_batched_greedy_responses_equal_single_stream(target):
     assert greedy_responses(target, PROMPTS, 10, eos, batch_size=3) == single
 
 
+def test_answer_share():
+    from mlxspec.training.dflash_trainer import answer_share
+
+    seqs = [([9, 9, 1, 1, 1, 2, 2, 5], 2), ([9, 4, 1, 2], 1)]  # answers: 1 1 1 2 2 5 | 4 1 2
+    assert answer_share(seqs, [1, 2]) == pytest.approx(7 / 9)
+    assert answer_share(seqs, [31]) == 0.0 and answer_share(seqs, [1, 2, 4, 5]) == 1.0
+
+
 def test_reduced_loss_vocabulary(target):
     """The loss vocabulary is the most frequent response tokens plus the end tokens; labels
     outside it carry no weight, labels inside get the full head's logits restricted to it."""
@@ -284,6 +292,10 @@ def test_loss_vocabulary_becomes_the_draft_vocabulary(target, tmp_path):
     drafter = load_dflash_drafter(tmp_path / "run", model=target)
     assert drafter.draft_ids.tolist() == loss_ids.tolist() and len(loss_ids) >= 8
     assert result.taus and 1.0 <= result.taus[-1][1]
+    store = SequenceStore(tmp_path / "run" / "data")
+    answers = [t for i in range(len(store)) for t in store[i][0][store[i][1]:]]
+    share = sum(t in set(loss_ids.tolist()) for t in answers) / len(answers)
+    assert 0 < share < 1 and result.loss_vocab_share == pytest.approx(share)
     for prompt in ([1, 2, 3], [9, 4, 4, 4, 17]):
         plain, spec = _plain_and_spec(target, drafter, prompt)
         assert spec == plain

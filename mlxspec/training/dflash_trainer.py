@@ -394,6 +394,19 @@ def frequent_tokens(sequences, vocab_size: int, count: int, always=()) -> list[i
     return sorted(keep)
 
 
+def answer_share(sequences, token_ids) -> float:
+    """The share of the responses' tokens that are among `token_ids`: what a loss (and draft)
+    vocabulary holds of the data, since a token outside it is never learned nor drafted."""
+    keep = np.zeros(max(token_ids) + 1, dtype=bool)
+    keep[np.asarray(token_ids)] = True
+    inside = total = 0
+    for tokens, prompt_len in sequences:
+        answer = np.asarray(tokens[prompt_len:], dtype=np.int64)
+        inside += int(keep[answer[answer < len(keep)]].sum())
+        total += len(answer)
+    return inside / total if total else 0.0
+
+
 def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count: int) -> np.ndarray:
     """Up to `count` distinct anchors, sorted, among the answer's positions that have a next
     token: from the prompt's last token (its block predicts the answer's first) to length - 2."""
@@ -561,6 +574,7 @@ class TrainResult:
     losses: list = field(default_factory=list)  # (step, loss) of this call's steps
     taus: list = field(default_factory=list)  # (step, τ)
     block_tokens_per_s: float = 0.0
+    loss_vocab_share: float | None = None  # of the answer tokens, with a loss vocabulary
 
 
 def _save_tree(path: Path, tree, tmp_dir: Path) -> None:
@@ -922,6 +936,8 @@ def train_dflash(
         return batch, block_count, used
 
     result = TrainResult(out=out, step=step)
+    if loss_ids is not None:
+        result.loss_vocab_share = answer_share((store[i] for i in train_ids), loss_ids)
     last_tau = next((e["tau"] for e in reversed(state["log"]) if "tau" in e), None)
     end = min(steps, stop_after) if stop_after is not None else steps
     bar = None
