@@ -748,7 +748,8 @@ def train_dflash(
     checkpoint) with more layers than it has appends layers that start as the identity
     (`grow_drafter`), so it drafts as before and the new layers learn from there.
     `loss_vocab`: train against the target head's rows of the N most frequent response tokens
-    only (`SubsetHead`; ~4x cheaper steps on SmolLM2); the checkpoint still uses the full head.
+    only (`SubsetHead`; ~4x cheaper steps on SmolLM2); the checkpoint lists them as its draft
+    vocabulary (drafts come from those rows; verification keeps the target's full head).
     `generator`: the model that writes the responses (default the target; see `prepare_data`).
     `labels`: "text" (the sequences' own next tokens) or "target" (the target's greedy next-token
     prediction at each position, teacher-forced: with responses="conversation" this trains on
