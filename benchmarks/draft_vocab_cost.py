@@ -15,8 +15,9 @@ from mlxspec.engine import EMPTY_DRAFT
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
 from mlxspec.sampling import SamplingConfig
-from mlxspec.training.data import SequenceStore, eos_ids
-from mlxspec.training.dflash_trainer import frequent_tokens, trainable_ids
+from mlxspec.training.data import eos_ids
+from mlxspec.training.dflash_trainer import frequent_tokens
+from smollm2_draft_vocab import stage2_answers  # benchmarks/, beside this script
 
 GREEDY = SamplingConfig()
 
@@ -55,19 +56,17 @@ def pass_times(model, tokenizer):
 
 
 def coverage(model, tokenizer, sizes=(8192, 16384, 32768)):
-    # As the conversations stage chose its loss vocabulary (benchmarks/smollm2_draft_vocab.py).
-    store = SequenceStore("data/dflash-smollm2/conversations")
-    first = [store[i] for i in range(2984)]
-    answers = [first[i] for i in trainable_ids(first, 1024)]
+    # Chosen as the conversations stage chose its loss vocabulary (smollm2_draft_vocab.py).
+    answers = stage2_answers()
+    vocabs = {n: set(frequent_tokens(answers, tokenizer.vocab_size, n, always=eos_ids(tokenizer)))
+              for n in sizes}
     for suite, prompts in (("humaneval", humaneval_prompts(10)), ("mtbench", mtbench_prompts(10))):
         tokens = []
         for p in prompts:
             text = tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                  add_generation_prompt=True, tokenize=False)
             tokens += [r.token for r in mlxspec.stream_generate(model, tokenizer, text, 64)]
-        for n in sizes:
-            vocab = set(frequent_tokens(answers, len(tokenizer.vocab), n,
-                                        always=eos_ids(tokenizer)))
+        for n, vocab in vocabs.items():
             inside = sum(t in vocab for t in tokens)
             print(f"{suite}: {inside}/{len(tokens)} = {inside / len(tokens):.1%} of the target's "
                   f"greedy tokens in the {n} most frequent answer tokens")

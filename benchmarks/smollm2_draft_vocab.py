@@ -18,12 +18,17 @@ STORE = "data/dflash-smollm2/conversations"
 STORED_AT_START, LOSS_VOCAB, MAX_SEQ_LEN = 2984, 8192, 1024
 
 
-def main():
-    _, tokenizer = mlxspec.load(None)
+def stage2_answers() -> list:
+    """The (tokens, prompt length) sequences the conversations stage chose its vocabulary from."""
     store = SequenceStore(STORE)
     first = [store[i] for i in range(STORED_AT_START)]
-    ids = frequent_tokens((first[i] for i in trainable_ids(first, MAX_SEQ_LEN)),
-                          tokenizer.vocab_size, LOSS_VOCAB, always=eos_ids(tokenizer))
+    return [first[i] for i in trainable_ids(first, MAX_SEQ_LEN)]
+
+
+def main():
+    _, tokenizer = mlxspec.load(None)
+    ids = frequent_tokens(stage2_answers(), tokenizer.vocab_size, LOSS_VOCAB,
+                          always=eos_ids(tokenizer))
     write_draft_vocab(DEST, ids)
     print(f"{DEST}: {len(ids)} draft tokens")
 

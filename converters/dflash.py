@@ -16,6 +16,7 @@ from ..models.dflash import (
     DRAFT_VOCAB_FILE,
     DFlashConfig,
     check_weights,
+    draft_vocab_json,
     read_config,
     read_draft_vocab,
     read_weights,
@@ -74,5 +75,5 @@ def convert_dflash(
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if draft_vocab is not None:
-            (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": draft_vocab}) + "\n")
+            (tmp / DRAFT_VOCAB_FILE).write_text(draft_vocab_json(draft_vocab))
     return Path(out_dir).expanduser()

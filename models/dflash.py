@@ -323,6 +323,11 @@ def read_draft_vocab(path: Path, vocab_size: int) -> list[int] | None:
     return sorted(ids)
 
 
+def draft_vocab_json(token_ids) -> str:
+    """The text of draft_vocab.json for `token_ids` (what read_draft_vocab reads)."""
+    return json.dumps({"token_ids": sorted(int(i) for i in token_ids)}) + "\n"
+
+
 def read_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of the directory's *.safetensors files (pickle checkpoints never load)."""
     files = sorted(Path(path).glob("*.safetensors"))

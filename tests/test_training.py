@@ -231,8 +231,9 @@ def test_answer_share():
     from mlxspec.training.dflash_trainer import answer_share
 
     seqs = [([9, 9, 1, 1, 1, 2, 2, 5], 2), ([9, 4, 1, 2], 1)]  # answers: 1 1 1 2 2 5 | 4 1 2
-    assert answer_share(seqs, [1, 2]) == pytest.approx(7 / 9)
-    assert answer_share(seqs, [31]) == 0.0 and answer_share(seqs, [1, 2, 4, 5]) == 1.0
+    assert answer_share(seqs, [1, 2], VOCAB) == pytest.approx(7 / 9)
+    assert answer_share(seqs, [31], VOCAB) == 0.0
+    assert answer_share(seqs, [1, 2, 4, 5], VOCAB) == 1.0
 
 
 def test_reduced_loss_vocabulary(target):

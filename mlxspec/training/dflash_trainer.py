@@ -56,6 +56,7 @@ from ..models.dflash import (
     DFlashModel,
     build_target_layer_ids,
     check_weights,
+    draft_vocab_json,
     read_weights,
 )
 from .data import (
@@ -384,27 +385,27 @@ class SubsetHead:
         return hidden @ self.weight.T
 
 
-def frequent_tokens(sequences, vocab_size: int, count: int, always=()) -> list[int]:
-    """The `count` most frequent ids of the responses (prompt tokens are never labels), plus
-    `always` (end tokens), sorted."""
+def answer_counts(sequences, vocab_size: int) -> np.ndarray:
+    """How often each id occurs in the responses (prompt tokens are never labels)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for tokens, prompt_len in sequences:
         np.add.at(counts, np.asarray(tokens[prompt_len:], dtype=np.int64), 1)
+    return counts
+
+
+def frequent_tokens(sequences, vocab_size: int, count: int, always=()) -> list[int]:
+    """The `count` most frequent ids of the responses, plus `always` (end tokens), sorted."""
+    counts = answer_counts(sequences, vocab_size)
     keep = set(np.argsort(-counts, kind="stable")[:count].tolist()) | {int(t) for t in always}
     return sorted(keep)
 
 
-def answer_share(sequences, token_ids) -> float:
+def answer_share(sequences, token_ids, vocab_size: int) -> float:
     """The share of the responses' tokens that are among `token_ids`: what a loss (and draft)
     vocabulary holds of the data, since a token outside it is never learned nor drafted."""
-    keep = np.zeros(max(token_ids) + 1, dtype=bool)
-    keep[np.asarray(token_ids)] = True
-    inside = total = 0
-    for tokens, prompt_len in sequences:
-        answer = np.asarray(tokens[prompt_len:], dtype=np.int64)
-        inside += int(keep[answer[answer < len(keep)]].sum())
-        total += len(answer)
-    return inside / total if total else 0.0
+    counts = answer_counts(sequences, vocab_size)
+    total = counts.sum()
+    return float(counts[np.asarray(token_ids)].sum() / total) if total else 0.0
 
 
 def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count: int) -> np.ndarray:
@@ -495,8 +496,7 @@ def write_checkpoint(out: Path, config: dict, weights: dict, inv_scale, draft_vo
 
 
 def write_draft_vocab(out: Path, token_ids) -> None:
-    ids = sorted(int(i) for i in token_ids)
-    _atomic_write_text(Path(out) / DRAFT_VOCAB_FILE, json.dumps({"token_ids": ids}) + "\n")
+    _atomic_write_text(Path(out) / DRAFT_VOCAB_FILE, draft_vocab_json(token_ids))
 
 
 def package_drafter(run_dir, dest, target, *, dtype=mx.bfloat16, notes: dict | None = None) -> Path:
@@ -938,7 +938,7 @@ def train_dflash(
 
     result = TrainResult(out=out, step=step)
     if loss_ids is not None:
-        result.loss_vocab_share = answer_share((store[i] for i in train_ids), loss_ids)
+        result.loss_vocab_share = answer_share((store[i] for i in train_ids), loss_ids, vocab)
     last_tau = next((e["tau"] for e in reversed(state["log"]) if "tau" in e), None)
     end = min(steps, stop_after) if stop_after is not None else steps
     bar = None
