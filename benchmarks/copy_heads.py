@@ -69,18 +69,19 @@ def copy_loss(layer, rope, ctx, anchor_embeddings, tokens, anchors):
 def with_copy_layer(config: dict, weights: dict, alpha: float) -> tuple[dict, dict]:
     """The drafter with a new first layer: the shipped layer's weights, silent but for HEADS."""
     have = config["num_hidden_layers"]
-    grown = {k: v for k, v in weights.items() if not k.startswith("layers.")}
+    grown = {}
     for name, v in weights.items():
         if name.startswith("layers."):
             i, rest = name[len("layers."):].split(".", 1)
             grown[f"layers.{int(i) + 1}.{rest}"] = v
+            if i == "0":
+                grown[name] = v  # the new first layer starts as the shipped one, then is silenced
+        else:
+            grown[name] = v
     head_dim = config["head_dim"]
     keep = np.zeros(config["num_attention_heads"] * head_dim, dtype=np.float32)
     for h in HEADS:
         keep[h * head_dim:(h + 1) * head_dim] = alpha
-    for name, v in weights.items():
-        if name.startswith("layers.0."):
-            grown[name] = v
     o_proj = "layers.0.self_attn.o_proj.weight"
     grown[o_proj] = weights[o_proj] * mx.array(keep)[None]
     grown["layers.0.mlp.down_proj.weight"] = mx.zeros_like(weights["layers.0.mlp.down_proj.weight"])

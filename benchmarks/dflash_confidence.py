@@ -11,46 +11,44 @@ Usage: python benchmarks/dflash_confidence.py
 """
 
 import json
-from pathlib import Path
 
 import mlxspec
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.drafters.dflash import target_head
+from mlxspec.drafters.dflash import head_rows, shipped_drafter_for, target_head
 from mlxspec.generate import encode_prompt, stream_generate
 from mlxspec.models.dflash import DFlashConfig, read_draft_vocab, read_weights
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
 from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule, training_logits
 
-SHIPPED = Path("mlxspec/drafters/trained/smollm2-135m-instruct-b16")
-
-
-def slot1_confidence(math, head, vocab, tokens, prompt_len):
-    """(confidence, right) per generated position after the first."""
+def slot1_confidence(math, rows, vocab, tokens, prompt_len):
+    """(confidence, right) per generated position after the first; `rows`: the head's rows for
+    `vocab`, as drafting computes them."""
     feats, labels = math.features(tokens)
     anchors = mx.arange(prompt_len, len(tokens) - 1)
     logits = training_logits(math.model, feats, mx.array(tokens), anchors,
-                             embed_tokens=math.embed, lm_head=head)[:, 0, vocab]
+                             embed_tokens=math.embed, lm_head=rows)[:, 0]
     right = vocab[mx.argmax(logits, axis=-1)] == labels[anchors + 1]
     return np.array(mx.softmax(logits, axis=-1).max(axis=-1)), np.array(right)
 
 
 def main():
     model, tokenizer = mlxspec.load(None)
-    args = DFlashConfig.from_dict(json.loads((SHIPPED / "config.json").read_text()))
-    math = MLXDFlashTraining(model, args, dict(read_weights(SHIPPED)),
+    shipped = shipped_drafter_for(model)
+    args = DFlashConfig.from_dict(json.loads((shipped / "config.json").read_text()))
+    math = MLXDFlashTraining(model, args, dict(read_weights(shipped)),
                              schedule=_schedule(1e-3, 1, 2), weight_decay=0.0, grad_clip=0.0,
                              gamma=2.0, loss_ids=None, inv_scale=None, labels="target")
-    vocab = mx.array(read_draft_vocab(SHIPPED, args.vocab_size))
-    head = target_head(model)
+    vocab = mx.array(read_draft_vocab(shipped, args.vocab_size))
+    rows = head_rows(target_head(model), vocab)
     for suite, prompts in (("HumanEval", humaneval_prompts(10)), ("MT-Bench", mtbench_prompts(10))):
         confidence, right = [], []
         for prompt in prompts:
             ids = encode_prompt(tokenizer, prompt)
             tokens = ids + [r.token for r in stream_generate(model, tokenizer, prompt, 64)]
             if len(tokens) - 1 > len(ids):
-                c, r = slot1_confidence(math, head, vocab, tokens, len(ids))
+                c, r = slot1_confidence(math, rows, vocab, tokens, len(ids))
                 confidence.append(c)
                 right.append(r)
         confidence, right = np.concatenate(confidence), np.concatenate(right)
