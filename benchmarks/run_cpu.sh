@@ -13,7 +13,8 @@ mlxspec=.venv/bin/mlxspec
 if [[ "${1:-}" == "dflash" ]]; then
   # The drafter's bar (docs/dflash-training.md): its tau against prompt lookup's on the same
   # prompts, both at full blocks (name@15) and with the adaptive K, greedy and T=1, and the
-  # drafter drafting from its draft vocabulary vs the full one; ours only (one interleaved run).
+  # drafter drafting from its draft vocabulary vs the full one, and dflash+lookup; ours only
+  # (one interleaved run).
   .venv/bin/python benchmarks/bench_dflash.py $out/smollm2-dflash-vs-lookup
   exit 0
 fi

@@ -8,7 +8,12 @@ from mlxspec import _blas
 
 _blas.preload_openblas()
 
-DRAFTERS = ("none", "lookup", "draft", "dflash")
+DRAFTERS = ("none", "lookup", "draft", "dflash", "draft+lookup", "dflash+lookup")
+
+
+def _model_kind(drafter: str) -> str:
+    """The model drafter behind a lookup-first drafter ("dflash+lookup" -> "dflash")."""
+    return drafter.removesuffix("+lookup")
 
 
 def _fail(err: Exception):
@@ -34,7 +39,8 @@ def model_options(f):
 def decoding_options(f):
     options = [
         click.option("--drafter", type=click.Choice(DRAFTERS), default="none", show_default=True,
-                     help="Source of draft tokens for speculative decoding."),
+                     help="Source of draft tokens for speculative decoding; X+lookup drafts by "
+                          "prompt lookup where it finds a match and by X elsewhere."),
         click.option("--draft-model", "--drafter-model", "draft_model", default=None,
                      help="Draft model (same tokenizer) for --drafter draft, or a DFlash "
                           "drafter checkpoint for --drafter dflash."),
@@ -68,6 +74,7 @@ def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None
                     draft_vocab=True):
     if num_draft is not None and num_draft < 1:
         raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
+    drafter = _model_kind(drafter)
     if drafter == "draft" and not draft_model:
         raise click.BadParameter("--drafter draft needs --draft-model", param_hint="--draft-model")
     if draft_model and drafter not in ("draft", "dflash"):
@@ -328,7 +335,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
     if bad:
         raise click.BadParameter(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}",
                                  param_hint="--suite")
-    if "draft" in kinds and not draft_model:
+    if "draft" in {_model_kind(k) for k in kinds} and not draft_model:
         raise click.BadParameter("the draft drafter needs --draft-model", param_hint="--draft-model")
     _check_backend(backend, device)
     if backend == "torch" and with_mlx_lm:
@@ -339,8 +346,8 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         options = {"dflash": {} if draft_vocab else {"draft_vocab": False}}
-        by_kind = {k: mlxspec.load_drafter(k, paths.get(k), model=target, tokenizer=tokenizer,
-                                           **options.get(k, {}))
+        by_kind = {k: mlxspec.load_drafter(k, paths.get(_model_kind(k)), model=target,
+                                           tokenizer=tokenizer, **options.get(_model_kind(k), {}))
                    for k in kinds}
         built = {d: by_kind[d.split("@")[0]] for d in drafters}  # one drafter, several K
         lm_draft = None

@@ -164,6 +164,18 @@ def test_generate_with_the_shipped_dflash_drafter(plain):
 
 
 @slow
+def test_generate_with_dflash_and_lookup(plain):
+    """`--drafter dflash+lookup`: lookup drafts where it finds a match, the shipped DFlash drafter
+    elsewhere; the text is still the plain one. Up to 8 drafts: lookup's default K, above the
+    7 slots of the 8-token block asked for."""
+    r = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter",
+                  "dflash+lookup", "--block-size", "8", "--verbose"))
+    assert r.stdout == plain.stdout
+    assert re.search(r"^Drafter: dflash\+lookup \(up to 8 drafts per step\)$", r.stderr,
+                     re.M), r.stderr
+
+
+@slow
 def test_generate_prompt_from_stdin(plain):
     r = ok(invoke("generate", "--prompt", "-", "--max-tokens", N, input=QUESTION))
     assert r.stdout == plain.stdout
@@ -462,6 +474,7 @@ def test_error_full_vocab_without_dflash():
 
 def test_error_draft_without_model():
     assert_clean_error(gen("--drafter", "draft"), "--draft-model")
+    assert_clean_error(gen("--drafter", "draft+lookup"), "--draft-model")
 
 
 @slow

@@ -5,7 +5,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_llama
 
-from mlxspec.drafters import DraftModelDrafter, PromptLookupDrafter, load_drafter
+from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter, PromptLookupDrafter, load_drafter
+from mlxspec.drafters.hybrid import PerSourceDraftLength
 from mlxspec.engine import AdaptiveDraftLength, Draft, Drafter, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.sampling import SamplingConfig
@@ -59,6 +60,8 @@ def test_greedy_identity_every_drafter(target, small_draft, prompt, k):
         PromptLookupDrafter(),
         DraftModelDrafter(small_draft),
         ScriptedDrafter([1, 2, 3, 5, 8]),
+        LookupFirstDrafter(DraftModelDrafter(small_draft)),
+        LookupFirstDrafter(ScriptedDrafter([1, 2, 3, 5, 8])),
     ):
         out, _, stats, _ = run(target, drafter, prompt, k=k)
         assert out == plain, drafter.name
@@ -119,6 +122,58 @@ def test_lookup_proposes_most_recent_match():
     assert lookup.propose(tokens, 3, GREEDY).tokens == [2, 3, 5]
     assert lookup.propose(tokens + [2], 2, GREEDY).tokens == [3, 5]  # index grows incrementally
     assert len(lookup.propose([1, 2, 3, 4], 3, GREEDY)) == 0
+
+
+class RecordingDrafter(ScriptedDrafter):
+    """A scripted model drafter that records when it is asked and told."""
+
+    def __init__(self, pattern):
+        super().__init__(pattern)
+        self.proposed, self.committed = [], []
+
+    def propose(self, tokens, k, sampling):
+        self.proposed.append(len(tokens))
+        return super().propose(tokens, k, sampling)
+
+    def commit(self, tokens, verdict):
+        self.committed.append(len(tokens))
+
+
+def test_lookup_first_drafts_by_lookup_where_it_matches_else_by_the_model(target):
+    model = RecordingDrafter([9])
+    hybrid = LookupFirstDrafter(model)
+    assert hybrid.name == "scripted+lookup"
+    hybrid.begin([5, 6, 7])
+    assert not hybrid.copies([5, 6, 7])
+    assert hybrid.propose([5, 6, 7], 3, GREEDY).tokens == [9, 9, 9] and model.proposed == [3]
+    assert hybrid.copies([5, 6, 7, 5])
+    assert hybrid.propose([5, 6, 7, 5], 3, GREEDY).tokens == [6, 7, 5] and model.proposed == [3]
+    # In the loop: lossless, and the model drafter is told every verdict, drafting or not.
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    plain, _, _, _ = run(target, Drafter(), prompt, k=4)
+    model = RecordingDrafter([1, 2, 3, 5, 8])
+    out, _, stats, _ = run(target, LookupFirstDrafter(model), prompt, k=4)
+    assert out == plain
+    assert len(model.committed) == stats.target_passes
+    assert 0 < len(model.proposed) < stats.target_passes  # both sources drafted
+
+
+def test_lookup_first_keeps_one_adaptive_policy_per_source():
+    copying = [True]
+    policy = PerSourceDraftLength(lambda: copying[0], 8)
+    for _ in range(20):  # lookup's drafts all accepted, the model's never
+        for copies, accepted in ((True, 8), (False, 0)):
+            copying[0] = copies
+            k = policy.next_k()
+            policy.update(k, min(accepted, k), 1.0 + 0.05 * k)
+    assert min(policy.lookup.conditional) > 0.9 and policy.model.conditional[0] < 0.3
+    copying[0] = True
+    assert policy.next_k() == 8
+    copying[0] = False
+    assert policy.next_k() <= 1
+    hybrid = LookupFirstDrafter(Drafter())
+    assert hybrid.draft_policy(8, True) is hybrid.draft_policy(8, True)
+    assert hybrid.draft_policy(8, False) is not hybrid.draft_policy(8, True)
 
 
 def test_bad_input(target):

@@ -30,11 +30,12 @@ def run(model, tokenizer, prompt, drafter, adaptive=True, num_draft=None):
     return [r.token for r in responses], responses[-1]
 
 
-@pytest.mark.parametrize("kind", ["lookup", "draft", "dflash", "dflash-shipped"])
+@pytest.mark.parametrize("kind", ["lookup", "draft", "dflash", "dflash-shipped", "dflash+lookup"])
 def test_spec_equals_plain_on_real_prompts(smollm, smollm_first_layers, smollm_random_dflash,
                                            real_prompts, plain_outputs, kind):
     """dflash: an untrained drafter of the right shape; dflash-shipped: the trained one that
-    ships for SmolLM2 (found without a path), at its full 16-token block."""
+    ships for SmolLM2 (found without a path), at its full 16-token block; dflash+lookup: that
+    one where lookup finds no match."""
     model, tokenizer = smollm
     path = {"draft": smollm_first_layers, "dflash": smollm_random_dflash}.get(kind)
     drafter = mlxspec.load_drafter(kind.split("-")[0], path, model=model, tokenizer=tokenizer)
@@ -42,7 +43,7 @@ def test_spec_equals_plain_on_real_prompts(smollm, smollm_first_layers, smollm_r
     for prompt, plain in zip(real_prompts, plain_outputs):
         # Fixed K: every step drafts, so every step exercises the rollback path.
         # DFlash: 7 of the 15 slots keeps CI time down; the block is still drafted in one pass.
-        k = {"dflash": 7, "dflash-shipped": 15}.get(kind)
+        k = {"dflash": 7, "dflash-shipped": 15, "dflash+lookup": 15}.get(kind)
         tokens, last = run(model, tokenizer, prompt, drafter, adaptive=False, num_draft=k)
         assert tokens == plain
         # Exact accounting: every pass commits its accepted drafts plus one target token.

@@ -16,7 +16,7 @@ from tiny_models import tiny_llama
 
 import mlxspec.mlx_backend as mlx_backend
 from mlxspec.acceptance import accept_sampled
-from mlxspec.drafters import DraftModelDrafter
+from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter, PromptLookupDrafter
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.sampling import SamplingConfig, processed_logprobs
@@ -86,12 +86,35 @@ def exact(target):
     return probs
 
 
-@pytest.mark.parametrize("drafter_kind", ["plain", "fixed_one_hot", "draft_model"])
+class CountingLookup(PromptLookupDrafter):
+    drafted = 0
+
+    def propose(self, tokens, k, sampling):
+        draft = super().propose(tokens, k, sampling)
+        self.drafted += bool(len(draft))
+        return draft
+
+
+class CountingDraftModel(DraftModelDrafter):
+    drafted = 0
+
+    def propose(self, tokens, k, sampling):
+        self.drafted += 1
+        return super().propose(tokens, k, sampling)
+
+
+@pytest.mark.parametrize("drafter_kind", ["plain", "fixed_one_hot", "draft_model",
+                                          "draft_model+lookup"])
 def test_spec_sampling_matches_target_distribution(target, draft_model, exact, drafter_kind):
+    """draft_model+lookup: steps drafted one-hot (lookup) and from p (the draft model) mixed."""
+    lookup, model = CountingLookup(), CountingDraftModel(draft_model)
     drafter = {"plain": Drafter(), "fixed_one_hot": FixedDrafter(),
-               "draft_model": DraftModelDrafter(draft_model)}[drafter_kind]
+               "draft_model": DraftModelDrafter(draft_model),
+               "draft_model+lookup": LookupFirstDrafter(model, lookup)}[drafter_kind]
     pvalue = chi_squared_pvalue(sample_counts(target, drafter, SAMPLING), exact)
     assert pvalue > 0.001, f"{drafter_kind}: p = {pvalue:.2g}"
+    if drafter_kind == "draft_model+lookup":
+        assert lookup.drafted > SAMPLES / 20 and model.drafted > SAMPLES / 4  # both drafted
 
 
 def wrong_rule(logits, drafts, draft_probs, sampling):

@@ -347,13 +347,14 @@ def _run(model, tokenizer, ids, drafter, num_draft, cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["none", "lookup", "draft", "dflash"])
+@pytest.mark.parametrize("kind", ["none", "lookup", "draft", "dflash", "dflash+lookup"])
 def test_greedy_tokens_and_stats_identical(smollm, torch_smollm, smollm_first_layers,
                                            smollm_random_dflash, prompt_ids, prompt_caches, kind):
-    path = {"draft": smollm_first_layers, "dflash": smollm_random_dflash}.get(kind)
+    path = {"draft": smollm_first_layers, "dflash": smollm_random_dflash,
+            "dflash+lookup": smollm_random_dflash}.get(kind)
     # Fixed K, kept small for CI time (the untrained drafters rarely hit): every step drafts,
     # so every step exercises verification, acceptance and the rollback of both caches.
-    num_draft = {"draft": 2, "dflash": 2}.get(kind)
+    num_draft = {"draft": 2, "dflash": 2, "dflash+lookup": 2}.get(kind)
     sides = {}
     for name, (model, tokenizer) in (("mlx", smollm), ("torch", torch_smollm)):
         drafter = mlxspec.load_drafter(kind, path, model=model, tokenizer=tokenizer)
@@ -367,7 +368,7 @@ def test_greedy_tokens_and_stats_identical(smollm, torch_smollm, smollm_first_la
         total_accepted += stats_m[2]
     print(f"\n{kind}: {len(prompt_ids)} prompts identical; drafted {total_drafted}, "
           f"accepted {total_accepted}")
-    if kind in ("lookup", "draft"):
+    if kind in ("lookup", "draft", "dflash+lookup"):
         assert total_accepted > 0, "no draft was ever accepted: the comparison proves little"
 
 

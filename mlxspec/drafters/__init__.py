@@ -3,17 +3,20 @@
 from ..engine import Drafter
 from ..loading import backend_of
 from .draft_model import DraftModelDrafter, check_same_tokenizer
+from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
 
-DRAFTER_KINDS = ("none", "lookup", "draft", "dflash")
+DRAFTER_KINDS = ("none", "lookup", "draft", "dflash", "draft+lookup", "dflash+lookup")
 
 
 def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **options) -> Drafter:
     """Build a drafter for `model`, checking it against the target before any compute.
 
     kind: "none", "lookup" (options: max_ngram, min_ngram), "draft" (path: a draft model with
-    the target's tokenizer, as a converted directory, a .gguf file or a Hugging Face repo id) or
-    "dflash" (path: a DFlash drafter checkpoint for this target; option: block_size).
+    the target's tokenizer, as a converted directory, a .gguf file or a Hugging Face repo id),
+    "dflash" (path: a DFlash drafter checkpoint for this target; option: block_size), or
+    "draft+lookup" and "dflash+lookup" draft by prompt lookup where it finds a match and by that
+    model elsewhere (path and options are the model's).
     A transformers `model` (the torch backend) gets the torch twins of "draft" and "dflash".
     """
     if kind not in DRAFTER_KINDS:
@@ -22,6 +25,10 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
         return Drafter()
     if kind == "lookup":
         return PromptLookupDrafter(**options)
+    if kind.endswith("+lookup"):
+        model_kind = kind.removesuffix("+lookup")
+        return LookupFirstDrafter(load_drafter(model_kind, path, model=model, tokenizer=tokenizer,
+                                               **options))
     if kind == "dflash" and path is None:
         path = shipped_drafter_path(model)
         if backend_of(model) == "mlx":

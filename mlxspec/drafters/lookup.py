@@ -33,15 +33,21 @@ class PromptLookupDrafter(Drafter):
                     self._index[tuple(tokens[end + 1 - n : end + 1])] = end
         self._indexed = max(self._indexed, len(tokens) - 1)
 
-    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
+    def continuation(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier match of the longest suffix n-gram
+        found, or [] when no n-gram of the suffix appeared before."""
         self._extend_index(tokens)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < n:
                 continue
             end = self._index.get(tuple(tokens[-n:]))
             if end is not None:
-                return Draft(tokens=tokens[end + 1 : end + 1 + k])
-        return EMPTY_DRAFT
+                return tokens[end + 1 : end + 1 + k]
+        return []
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
+        copied = self.continuation(tokens, k)
+        return Draft(tokens=copied) if copied else EMPTY_DRAFT
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         pass
