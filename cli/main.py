@@ -87,6 +87,14 @@ def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
 
 
+def _dflash_options(draft_vocab: bool, block_size: int | None = None) -> dict:
+    """load_drafter options for a DFlash drafter; the defaults are left out."""
+    options = {} if draft_vocab else {"draft_vocab": False}
+    if block_size is not None:
+        options["block_size"] = block_size
+    return options
+
+
 def _check_backend(backend, device):
     if device is not None and backend != "torch":
         raise click.BadParameter("applies to --backend torch only", param_hint="--device")
@@ -96,9 +104,7 @@ def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None, back
               device=None, draft_vocab=True):
     import mlxspec
 
-    options = {"block_size": block_size} if block_size is not None else {}
-    if not draft_vocab:
-        options["draft_vocab"] = False
+    options = _dflash_options(draft_vocab, block_size) if _model_kind(drafter) == "dflash" else {}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer,
@@ -345,9 +351,9 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
     paths = {"draft": draft_model, "dflash": dflash_model}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
-        options = {"dflash": {} if draft_vocab else {"draft_vocab": False}}
-        by_kind = {k: mlxspec.load_drafter(k, paths.get(_model_kind(k)), model=target,
-                                           tokenizer=tokenizer, **options.get(_model_kind(k), {}))
+        by_kind = {k: mlxspec.load_drafter(
+                       k, paths.get(_model_kind(k)), model=target, tokenizer=tokenizer,
+                       **(_dflash_options(draft_vocab) if _model_kind(k) == "dflash" else {}))
                    for k in kinds}
         built = {d: by_kind[d.split("@")[0]] for d in drafters}  # one drafter, several K
         lm_draft = None

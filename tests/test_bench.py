@@ -36,6 +36,20 @@ def test_bench_writes_results_table_and_plot(smollm_dir, tmp_path):
     assert "Skipped: llama.cpp" in md.read_text()
 
 
+def test_bench_dflash_and_lookup_with_full_vocab(smollm_dir, tmp_path):
+    """The combined drafter under its own name, adaptive and at a fixed K, with a DFlash option."""
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(smollm_dir), "--drafters", "none,dflash+lookup,dflash+lookup@4",
+        "--full-vocab", "--no-mlx-lm", "--no-llama-cpp", "--suite", "copy", "--limit", "1",
+        "--max-tokens", "12", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"none", "dflash+lookup", "dflash+lookup@4"}
+    assert rows["dflash+lookup@4"]["accepted"] > 0  # the copy prompt repeats its text
+
+
 def test_bench_llama_cpp_peer_on_the_same_gguf(smollm_dir, tmp_path):
     """llama.cpp plain and prompt lookup on the default model's GGUF, same prompts as ours; where
     llama-cpp-python is not installed the report says so instead."""
@@ -67,7 +81,8 @@ def test_bench_rejects_unknown_suite_and_missing_draft_model():
     runner = CliRunner()
     result = runner.invoke(main, ["bench", "--suite", "nope"])
     assert result.exit_code != 0 and "unknown suite" in result.output
-    result = runner.invoke(main, ["bench", "--drafters", "none,draft"])
-    assert result.exit_code != 0 and "--draft-model" in result.output
+    for drafters in ("none,draft", "none,draft+lookup@2"):
+        result = runner.invoke(main, ["bench", "--drafters", drafters])
+        assert result.exit_code != 0 and "--draft-model" in result.output
     result = runner.invoke(main, ["bench", "--llama-cpp-gguf", "/no/such.gguf"])
     assert result.exit_code != 0 and "does not exist" in result.output

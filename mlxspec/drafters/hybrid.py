@@ -5,8 +5,8 @@ Prompt lookup drafts for free, and where the suffix's n-gram appeared before its
 which lookup cannot, but a one-layer DFlash drafter cannot follow a copy (docs/dflash-training.md).
 So each step takes lookup's draft when it finds a match and the model's otherwise. The model
 drafter still sees every verdict, so its state (a DFlash context, a draft model's cache) is
-current whenever it is asked again. Arctic Inference pairs suffix decoding with its speculator
-the same way.
+current whenever it is asked again. (Snowflake's Arctic Inference likewise combines suffix
+decoding with a trained speculator.)
 
 Each source keeps its own adaptive-K policy: their acceptance by position and their step costs
 differ (a lookup step drafts for nothing), and one policy fitted to both would suit neither.
