@@ -43,7 +43,7 @@ def decoding_options(f):
                           "prompt lookup where it finds a match and by X elsewhere."),
         click.option("--draft-model", "--drafter-model", "draft_model", default=None,
                      help="Draft model (same tokenizer) for --drafter draft, or a DFlash "
-                          "drafter checkpoint for --drafter dflash."),
+                          "drafter checkpoint for --drafter dflash (and their +lookup forms)."),
         click.option("--block-size", type=int, default=None,
                      help="DFlash block size (2 .. the checkpoint's; default: the checkpoint's)."),
         click.option("--draft-vocab/--full-vocab", default=True, show_default=True,
@@ -74,14 +74,15 @@ def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None
                     draft_vocab=True):
     if num_draft is not None and num_draft < 1:
         raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
-    drafter = _model_kind(drafter)
-    if drafter == "draft" and not draft_model:
-        raise click.BadParameter("--drafter draft needs --draft-model", param_hint="--draft-model")
-    if draft_model and drafter not in ("draft", "dflash"):
+    kind = _model_kind(drafter)
+    if kind == "draft" and not draft_model:
+        raise click.BadParameter(f"--drafter {drafter} needs --draft-model",
+                                 param_hint="--draft-model")
+    if draft_model and kind not in ("draft", "dflash"):
         raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
-    if block_size is not None and drafter != "dflash":
+    if block_size is not None and kind != "dflash":
         raise click.BadParameter("only applies to --drafter dflash", param_hint="--block-size")
-    if not draft_vocab and drafter != "dflash":
+    if not draft_vocab and kind != "dflash":
         raise click.BadParameter("only applies to --drafter dflash", param_hint="--full-vocab")
     if max_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
