@@ -44,7 +44,9 @@ def main():
     rows = head_rows(target_head(model), vocab)
     for suite, prompts in (("HumanEval", humaneval_prompts(10)), ("MT-Bench", mtbench_prompts(10))):
         confidence, right = [], []
-        for prompt in prompts:
+        for text in prompts:  # as the benchmark sends them: a user message in the chat template
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                   add_generation_prompt=True, tokenize=False)
             ids = encode_prompt(tokenizer, prompt)
             tokens = ids + [r.token for r in stream_generate(model, tokenizer, prompt, 64)]
             if len(tokens) - 1 > len(ids):
