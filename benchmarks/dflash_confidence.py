@@ -16,6 +16,7 @@ import mlxspec
 import mlx.core as mx
 import numpy as np
 
+from mlxspec.bench import chat_prompt
 from mlxspec.drafters.dflash import head_rows, shipped_drafter_for, target_head
 from mlxspec.generate import encode_prompt, stream_generate
 from mlxspec.models.dflash import DFlashConfig, read_draft_vocab, read_weights
@@ -44,9 +45,8 @@ def main():
     rows = head_rows(target_head(model), vocab)
     for suite, prompts in (("HumanEval", humaneval_prompts(10)), ("MT-Bench", mtbench_prompts(10))):
         confidence, right = [], []
-        for text in prompts:  # as the benchmark sends them: a user message in the chat template
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                   add_generation_prompt=True, tokenize=False)
+        for text in prompts:
+            prompt = chat_prompt(tokenizer, text)
             ids = encode_prompt(tokenizer, prompt)
             tokens = ids + [r.token for r in stream_generate(model, tokenizer, prompt, 64)]
             if len(tokens) - 1 > len(ids):

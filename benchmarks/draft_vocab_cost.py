@@ -11,6 +11,7 @@ import time
 import mlxspec  # first: it loads OpenBLAS before MLX is imported
 
 import mlx.core as mx  # noqa: I001
+from mlxspec.bench import chat_prompt
 from mlxspec.engine import EMPTY_DRAFT
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
@@ -63,8 +64,7 @@ def coverage(model, tokenizer, sizes=(8192, 16384, 32768)):
     for suite, prompts in (("humaneval", humaneval_prompts(10)), ("mtbench", mtbench_prompts(10))):
         tokens = []
         for p in prompts:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = chat_prompt(tokenizer, p)
             tokens += [r.token for r in mlxspec.stream_generate(model, tokenizer, text, 64)]
         for n, vocab in vocabs.items():
             inside = sum(t in vocab for t in tokens)

@@ -176,7 +176,7 @@ def run_benchmark(
         missing = "no GGUF file for this model (give one with --llama-cpp-gguf)"
     else:
         missing = llama_cpp_missing()
-    prompts_by_suite = {suite: [_chat(tokenizer, p) for p in SUITES[suite](limit=limit)]
+    prompts_by_suite = {suite: [chat_prompt(tokenizer, p) for p in SUITES[suite](limit=limit)]
                         for suite in suites}
     if missing:
         skipped.append({"engine": "llama.cpp", "reason": missing})
@@ -190,7 +190,7 @@ def run_benchmark(
 
     # Warm-up: first calls compile kernels and fault weights in.
     for engine, name, run in configs:
-        run(_chat(tokenizer, "Hello"), 4, 0.0, seed, RunResult(engine, name, "warmup", 0.0))
+        run(chat_prompt(tokenizer, "Hello"), 4, 0.0, seed, RunResult(engine, name, "warmup", 0.0))
 
     results = []
     for suite, prompts in prompts_by_suite.items():
@@ -256,7 +256,8 @@ def verify_cost(model, tokenizer, sizes=(1, 2, 4, 8, 16), context: int = 256, re
     return {str(n): times[n] / times[sizes[0]] for n in sizes}
 
 
-def _chat(tokenizer, text):
+def chat_prompt(tokenizer, text: str) -> str:
+    """A suite's prompt as the benchmark sends it: one user message in the chat template."""
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )

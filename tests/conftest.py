@@ -52,12 +52,6 @@ def smollm_first_layers(smollm_dir, tmp_path_factory):
     return out
 
 
-def chat_prompt(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-
-
 @pytest.fixture(scope="session")
 def smollm_random_dflash(tmp_path_factory):
     """An untrained DFlash drafter in the released format, shaped for SmolLM2 (576 hidden, 30

@@ -2,9 +2,9 @@
 on real HumanEval and MT-Bench prompts (HumanEval stubs make lookup find long copies)."""
 
 import pytest
-from conftest import chat_prompt
 
 import mlxspec
+from mlxspec.bench import chat_prompt
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
 
 pytestmark = pytest.mark.slow
