@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The benchmark runs behind docs/benchmarks.md, on this project's 2-core Linux CPU.
-# Usage: bash benchmarks/run_cpu.sh [qwen|dflash]   (qwen: also the Qwen2.5-Coder 1.5B/0.5B pair;
-# needs QWEN15 and QWEN05 set to their converted directories, see docs/benchmarks.md; dflash: only
-# the shipped DFlash drafter against prompt lookup, on more prompts, for docs/dflash-training.md)
+# Usage: bash benchmarks/run_cpu.sh [qwen|dflash|bar]   (qwen: also the Qwen2.5-Coder 1.5B/0.5B
+# pair; needs QWEN15 and QWEN05 set to their converted directories, see docs/benchmarks.md; dflash:
+# only the shipped DFlash drafter against prompt lookup, on more prompts, for
+# docs/dflash-training.md; bar: their tau alone, full blocks, on 40 prompts a suite, with
+# intervals, for the bar in the same doc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
@@ -16,6 +18,17 @@ if [[ "${1:-}" == "dflash" ]]; then
   # drafter drafting from its draft vocabulary vs the full one, and dflash+lookup; ours only
   # (one interleaved run).
   .venv/bin/python benchmarks/bench_dflash.py $out/smollm2-dflash-vs-lookup
+  exit 0
+fi
+
+if [[ "${1:-}" == "bar" ]]; then
+  # tau does not depend on the machine's speed, so this needs no plain decoding to compare with;
+  # what it needs is prompts: 40 a suite (the first 10 are the runs above), paired intervals.
+  $mlxspec bench --drafters lookup@15,dflash@15,dflash+lookup@15 --suite humaneval,mtbench \
+    --temp 0,1 --limit 40 --max-tokens 64 --no-mlx-lm --no-llama-cpp \
+    --compare dflash@15/lookup@15 --compare dflash+lookup@15/lookup@15 \
+    --compare dflash+lookup@15/dflash@15 \
+    --out $out/smollm2-dflash-bar.json --markdown $out/smollm2-dflash-bar.md
   exit 0
 fi
 

@@ -310,6 +310,9 @@ def _csv(kind):
               help="GGUF file for llama.cpp (default: the model's own, when it was loaded from one).")
 @click.option("--llama-cpp-num-draft", type=int, default=10, show_default=True,
               help="Tokens llama.cpp's prompt lookup drafts per step.")
+@click.option("--compare", "comparisons", multiple=True, metavar="A/B",
+              help="Report tau(A) / tau(B) for two of --drafters, paired over the same prompts "
+                   "with a 95%% bootstrap interval (repeatable), e.g. dflash@15/lookup@15.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
 @click.option("--markdown", default=None, type=click.Path(dir_okay=False),
               help="Also write the results table as Markdown.")
@@ -317,7 +320,7 @@ def _csv(kind):
               help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
 def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, draft_vocab, suites,
           temps, max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft,
-          with_llama_cpp, llama_cpp_gguf, llama_cpp_num_draft, out, markdown, plot):
+          with_llama_cpp, llama_cpp_gguf, llama_cpp_num_draft, comparisons, out, markdown, plot):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark, save_report
@@ -338,6 +341,12 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--drafters") from None
     kinds = {d.split("@")[0] for d in drafters}
+    pairs = [tuple(c.split("/")) for c in comparisons]
+    bad = [c for c, pair in zip(comparisons, pairs)
+           if len(pair) != 2 or not set(pair) <= set(drafters)]
+    if bad:
+        raise click.BadParameter(f"{bad}: each must be A/B, two of --drafters {list(drafters)}",
+                                 param_hint="--compare")
     bad = [s for s in suites if s not in SUITES]
     if bad:
         raise click.BadParameter(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}",
@@ -369,7 +378,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
         limit=limit, num_draft=num_draft, mlx_lm_draft_model=lm_draft,
         mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, with_llama_cpp=with_llama_cpp,
         llama_cpp_gguf=llama_cpp_gguf or gguf_file(model), llama_cpp_num_draft=llama_cpp_num_draft,
-        adaptive=adaptive,
+        adaptive=adaptive, compare=pairs,
         progress=lambda line: click.echo(line, err=True),
     )
     report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"

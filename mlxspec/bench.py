@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from . import _blas
 from .generate import encode_prompt, stream_generate
+from .intervals import paired_tau_ratio, tau_interval
 from .peers import LlamaCppPeer, llama_cpp_missing
 from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
 
@@ -40,7 +41,16 @@ class RunResult:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    passes_per_prompt: list[int] = field(default_factory=list)  # for tau's interval over prompts
+    accepted_per_prompt: list[int] = field(default_factory=list)
     peak_memory_gb: float | None = None  # None where the engine does not report it (llama.cpp)
+
+    def run_prompt(self, run, prompt, max_tokens, temp, seed) -> None:
+        """One prompt through `run` (an engine's runner), its passes and accepts kept apart."""
+        passes, accepted = self.target_passes, self.accepted
+        run(prompt, max_tokens, temp, seed, self)
+        self.passes_per_prompt.append(self.target_passes - passes)
+        self.accepted_per_prompt.append(self.accepted - accepted)
 
     def add_timing(self, n: int, start: float, first: float, end: float) -> None:
         """One prompt's n tokens: TTFT, then tok/s over the tokens after the first."""
@@ -61,6 +71,8 @@ class RunResult:
             tps_stdev=statistics.pstdev(self.tps_per_prompt) if self.tps_per_prompt else 0.0,
             speedup=self.tps / plain_tps if plain_tps else None,
             tau=(self.accepted + self.target_passes) / self.target_passes if self.target_passes else None,
+            tau_interval=tau_interval(self.passes_per_prompt, self.accepted_per_prompt)
+            if self.target_passes else None,
             acceptance_rate=self.accepted / self.drafted if self.drafted else None,
             acceptance_per_position=[
                 a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position)
@@ -144,16 +156,21 @@ def run_benchmark(
     llama_cpp_gguf: "str | os.PathLike | None" = None,
     llama_cpp_num_draft: int = 10,
     adaptive: bool = True,
+    compare: "list[tuple[str, str]]" = (),
     seed: int = 0,
     progress=print,
 ) -> dict:
     """`drafters` maps a label to a Drafter (or None for plain decoding); a label "name@K"
     runs with a fixed K drafts per step, others with the adaptive K unless `adaptive` is off.
     Peers: mlx-lm on the same model object, llama.cpp on `llama_cpp_gguf` (the same weights'
-    GGUF); a peer that cannot run is listed under "skipped" with the reason."""
+    GGUF); a peer that cannot run is listed under "skipped" with the reason. Each (a, b) in
+    `compare` (two of our labels) adds tau(a) / tau(b) per suite and T, paired over prompts."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
+    unknown = [label for pair in compare for label in pair if label not in drafters]
+    if unknown:
+        raise ValueError(f"cannot compare {unknown}: not among the drafters {list(drafters)}")
     configs, skipped = [], []
     for name, drafter in drafters.items():
         k = fixed_k(name)
@@ -192,13 +209,13 @@ def run_benchmark(
     for engine, name, run in configs:
         run(chat_prompt(tokenizer, "Hello"), 4, 0.0, seed, RunResult(engine, name, "warmup", 0.0))
 
-    results = []
+    results, comparisons = [], []
     for suite, prompts in prompts_by_suite.items():
         for temp in temps:
             row = {(e, n): RunResult(e, n, suite, temp) for e, n, _ in configs}
             for i, prompt in enumerate(prompts):
                 for engine, name, run in configs:
-                    run(prompt, max_tokens, temp, seed + i, row[engine, name])
+                    row[engine, name].run_prompt(run, prompt, max_tokens, temp, seed + i)
                 progress(f"{suite} T={temp} prompt {i + 1}/{len(prompts)}: " + ", ".join(
                     f"{e}/{n} {r.tps:.1f} tok/s" for (e, n), r in row.items()))
             plain = {e: row[e, "none"].tps for e, n, _ in configs if (e, "none") in row}
@@ -207,6 +224,12 @@ def run_benchmark(
                 results[-1]["speedup_vs_mlx_lm_plain"] = (
                     r.tps / plain["mlx-lm"] if plain.get("mlx-lm") else None
                 )
+            for a, b in compare:
+                sides = [row["mlxspec", label] for label in (a, b)]
+                if all(side.target_passes for side in sides):
+                    paired = paired_tau_ratio(
+                        *[(side.passes_per_prompt, side.accepted_per_prompt) for side in sides])
+                    comparisons.append({"a": a, "b": b, "suite": suite, "temp": temp, **paired})
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "blas": _blas.blas_in_use(), "mlx": mx.__version__},
@@ -217,6 +240,7 @@ def run_benchmark(
                      "seed": seed, "adaptive": adaptive},
         "verify_cost": verify_cost(model, tokenizer) if _is_mlx(model) else None,
         "results": results,
+        "comparisons": comparisons,
         "skipped": skipped,
     }
 
@@ -271,10 +295,18 @@ def markdown_table(report: dict) -> str:
         rows.append(
             f"| {r['suite']} | {r['temp']:g} | {r['engine']} | {r['drafter']} | "
             f"{r['tps']:.2f} ± {r['tps_stdev']:.2f} | {_x(r['speedup'])} | "
-            f"{_x(r['speedup_vs_mlx_lm_plain'])} | {_f(r['tau'])} | {_f(r.get('step_cost'))} | "
+            f"{_x(r['speedup_vs_mlx_lm_plain'])} | {_f(r['tau'])}{_interval(r.get('tau_interval'))} | "
+            f"{_f(r.get('step_cost'))} | "
             f"{_pct(r['acceptance_rate'])} | {_f(r['ttft_mean'])} | {_f(r['peak_memory_gb'])} |"
         )
     lines = [head] + rows
+    if report.get("comparisons"):
+        lines += ["", "Paired over the same prompts (tau of one / tau of the other; prompts where "
+                  "each drafter's own tau is higher):", ""]
+        for c in report["comparisons"]:
+            lines.append(f"- {c['suite']} T={c['temp']:g}: {c['a']} / {c['b']} = {c['ratio']:.3f}"
+                         f"{_interval(c['interval'], 3)}; higher on {c['a_higher']} vs "
+                         f"{c['b_higher']} of {c['prompts']} prompts")
     for skip in report.get("skipped", []):
         lines += ["", f"Skipped: {skip['engine']} ({skip['reason']})."]
     cost = report.get("verify_cost")
@@ -285,6 +317,10 @@ def markdown_table(report: dict) -> str:
               "step cost = seconds per target pass (drafting + verify) / seconds per plain token, "
               "so speedup = tau / step cost."]
     return "\n".join(lines)
+
+
+def _interval(bounds, digits: int = 2) -> str:
+    return f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]" if bounds else ""
 
 
 def _x(v):

@@ -37,17 +37,29 @@ def test_bench_writes_results_table_and_plot(smollm_dir, tmp_path):
 
 
 def test_bench_dflash_and_lookup_with_full_vocab(smollm_dir, tmp_path):
-    """The combined drafter under its own name, adaptive and at a fixed K, with a DFlash option."""
-    out = tmp_path / "r.json"
+    """The combined drafter under its own name, adaptive and at a fixed K, with a DFlash option;
+    tau's interval over prompts and a paired comparison."""
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
     result = CliRunner().invoke(main, [
         "bench", "--model", str(smollm_dir), "--drafters", "none,dflash+lookup,dflash+lookup@4",
-        "--full-vocab", "--no-mlx-lm", "--no-llama-cpp", "--suite", "copy", "--limit", "1",
-        "--max-tokens", "12", "--out", str(out),
+        "--full-vocab", "--no-mlx-lm", "--no-llama-cpp", "--suite", "copy", "--limit", "2",
+        "--max-tokens", "12", "--compare", "dflash+lookup@4/none", "--out", str(out),
+        "--markdown", str(md),
     ])
     assert result.exit_code == 0, result.output
-    rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]}
+    report = json.loads(out.read_text())
+    rows = {r["drafter"]: r for r in report["results"]}
     assert set(rows) == {"none", "dflash+lookup", "dflash+lookup@4"}
-    assert rows["dflash+lookup@4"]["accepted"] > 0  # the copy prompt repeats its text
+    fixed = rows["dflash+lookup@4"]
+    assert fixed["accepted"] > 0  # the copy prompts repeat their text
+    assert len(fixed["passes_per_prompt"]) == 2 and sum(fixed["passes_per_prompt"]) == fixed["target_passes"]
+    low, high = fixed["tau_interval"]
+    assert low <= fixed["tau"] <= high
+    assert rows["none"]["tau_interval"] == [1.0, 1.0]
+    (comparison,) = report["comparisons"]
+    assert comparison["ratio"] == pytest.approx(fixed["tau"]) and comparison["prompts"] == 2
+    assert comparison["b_higher"] == 0
+    assert "dflash+lookup@4 / none = " in md.read_text()
 
 
 def test_bench_llama_cpp_peer_on_the_same_gguf(smollm_dir, tmp_path):
@@ -86,3 +98,6 @@ def test_bench_rejects_unknown_suite_and_missing_draft_model():
         assert result.exit_code != 0 and "--draft-model" in result.output
     result = runner.invoke(main, ["bench", "--llama-cpp-gguf", "/no/such.gguf"])
     assert result.exit_code != 0 and "does not exist" in result.output
+    for pair in ("lookup/dflash", "lookup", "none/lookup/none"):  # before any model loads
+        result = runner.invoke(main, ["bench", "--drafters", "none,lookup", "--compare", pair])
+        assert result.exit_code != 0 and "two of --drafters" in result.output

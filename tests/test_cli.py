@@ -226,6 +226,14 @@ def test_version_and_help():
         assert command in out
 
 
+def test_cli_offers_every_drafter_the_api_has():
+    """The CLI lists drafters without importing MLX (fast --help); the list must not drift."""
+    from mlxspec.cli.main import DRAFTERS
+    from mlxspec.drafters import DRAFTER_KINDS
+
+    assert DRAFTERS == DRAFTER_KINDS
+
+
 # ----------------------------------------------------------------------------------- chat
 
 
