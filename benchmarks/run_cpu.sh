@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The benchmark runs behind docs/benchmarks.md, on this project's 2-core Linux CPU.
-# Usage: bash benchmarks/run_cpu.sh [qwen|dflash|bar]   (qwen: also the Qwen2.5-Coder 1.5B/0.5B
-# pair; needs QWEN15 and QWEN05 set to their converted directories, see docs/benchmarks.md; dflash:
-# only the shipped DFlash drafter against prompt lookup, on more prompts, for
-# docs/dflash-training.md; bar: their tau alone, full blocks, on 40 prompts a suite, with
-# intervals, for the bar in the same doc)
+# Usage: bash benchmarks/run_cpu.sh [qwen|dflash|bar|speed]   (qwen: also the Qwen2.5-Coder
+# 1.5B/0.5B pair; needs QWEN15 and QWEN05 set to their converted directories, see
+# docs/benchmarks.md; dflash: only the shipped DFlash drafter against prompt lookup, on more
+# prompts, for docs/dflash-training.md; bar: their tau alone, full blocks, on 40 prompts a suite,
+# with intervals, for the bar in the same doc; speed: their wall clock with the adaptive K against
+# plain decoding on 20 prompts a suite, with intervals, for the same doc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
@@ -29,6 +30,15 @@ if [[ "${1:-}" == "bar" ]]; then
     --compare dflash@15/lookup@15 --compare dflash+lookup@15/lookup@15 \
     --compare dflash+lookup@15/dflash@15 \
     --out $out/smollm2-dflash-bar.json --markdown $out/smollm2-dflash-bar.md
+  exit 0
+fi
+
+if [[ "${1:-}" == "speed" ]]; then
+  # Speed ratios need an idle machine and plain decoding in the same interleaved run.
+  $mlxspec bench --drafters none,lookup,dflash,dflash+lookup --suite humaneval,mtbench \
+    --temp 0,1 --limit 20 --max-tokens 64 --no-mlx-lm --no-llama-cpp \
+    --compare dflash+lookup/lookup --compare dflash/lookup \
+    --out $out/smollm2-dflash-speed.json --markdown $out/smollm2-dflash-speed.md
   exit 0
 fi
 

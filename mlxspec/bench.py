@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import _blas
 from .generate import encode_prompt, stream_generate
-from .intervals import paired_tau_ratio, tau_interval
+from .intervals import paired_ratio, paired_tau_ratio, tau_interval
 from .peers import LlamaCppPeer, llama_cpp_missing
 from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
 
@@ -41,8 +41,11 @@ class RunResult:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    passes_per_prompt: list[int] = field(default_factory=list)  # for tau's interval over prompts
+    # Per prompt, in order, for intervals over prompts (mlxspec.intervals):
+    passes_per_prompt: list[int] = field(default_factory=list)
     accepted_per_prompt: list[int] = field(default_factory=list)
+    tokens_per_prompt: list[int] = field(default_factory=list)  # timed tokens (first excluded)
+    seconds_per_prompt: list[float] = field(default_factory=list)
     peak_memory_gb: float | None = None  # None where the engine does not report it (llama.cpp)
 
     def run_prompt(self, run, prompt, max_tokens, temp, seed) -> None:
@@ -55,6 +58,8 @@ class RunResult:
     def add_timing(self, n: int, start: float, first: float, end: float) -> None:
         """One prompt's n tokens: TTFT, then tok/s over the tokens after the first."""
         self.ttft.append(first - start)
+        self.tokens_per_prompt.append(max(n - 1, 0))
+        self.seconds_per_prompt.append(end - first if n > 1 else 0.0)
         if n > 1:
             self.tokens += n - 1
             self.seconds += end - first
@@ -224,12 +229,20 @@ def run_benchmark(
                 results[-1]["speedup_vs_mlx_lm_plain"] = (
                     r.tps / plain["mlx-lm"] if plain.get("mlx-lm") else None
                 )
+                results[-1]["speedup_interval"] = (
+                    _paired_speed(r, row[engine, "none"])["interval"] if plain.get(engine) else None
+                )
             for a, b in compare:
                 sides = [row["mlxspec", label] for label in (a, b)]
+                comparison = {"a": a, "b": b, "suite": suite, "temp": temp}
                 if all(side.target_passes for side in sides):
-                    paired = paired_tau_ratio(
-                        *[(side.passes_per_prompt, side.accepted_per_prompt) for side in sides])
-                    comparisons.append({"a": a, "b": b, "suite": suite, "temp": temp, **paired})
+                    comparison.update(paired_tau_ratio(
+                        *[(side.passes_per_prompt, side.accepted_per_prompt) for side in sides]))
+                if all(side.seconds for side in sides):
+                    speed = _paired_speed(*sides)
+                    comparison.update(speed_ratio=speed["ratio"], speed_interval=speed["interval"],
+                                      a_faster=speed["a_higher"], b_faster=speed["b_higher"])
+                comparisons.append(comparison)
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "blas": _blas.blas_in_use(), "mlx": mx.__version__},
@@ -243,6 +256,12 @@ def run_benchmark(
         "comparisons": comparisons,
         "skipped": skipped,
     }
+
+
+def _paired_speed(a: RunResult, b: RunResult) -> dict:
+    """tok/s of a over tok/s of b, paired over the prompts both ran."""
+    return paired_ratio((a.tokens_per_prompt, a.seconds_per_prompt),
+                        (b.tokens_per_prompt, b.seconds_per_prompt))
 
 
 def fixed_k(label: str) -> int | None:
@@ -294,19 +313,25 @@ def markdown_table(report: dict) -> str:
     for r in report["results"]:
         rows.append(
             f"| {r['suite']} | {r['temp']:g} | {r['engine']} | {r['drafter']} | "
-            f"{r['tps']:.2f} ± {r['tps_stdev']:.2f} | {_x(r['speedup'])} | "
+            f"{r['tps']:.2f} ± {r['tps_stdev']:.2f} | {_x(r['speedup'])}"
+            f"{_interval(r.get('speedup_interval'))} | "
             f"{_x(r['speedup_vs_mlx_lm_plain'])} | {_f(r['tau'])}{_interval(r.get('tau_interval'))} | "
             f"{_f(r.get('step_cost'))} | "
             f"{_pct(r['acceptance_rate'])} | {_f(r['ttft_mean'])} | {_f(r['peak_memory_gb'])} |"
         )
     lines = [head] + rows
     if report.get("comparisons"):
-        lines += ["", "Paired over the same prompts (tau of one / tau of the other; prompts where "
-                  "each drafter's own tau is higher):", ""]
+        lines += ["", "Paired over the same prompts (one drafter's tau, or tok/s, over the "
+                  "other's; on how many prompts each side's own was higher):", ""]
         for c in report["comparisons"]:
-            lines.append(f"- {c['suite']} T={c['temp']:g}: {c['a']} / {c['b']} = {c['ratio']:.3f}"
-                         f"{_interval(c['interval'], 3)}; higher on {c['a_higher']} vs "
-                         f"{c['b_higher']} of {c['prompts']} prompts")
+            parts = []
+            if "ratio" in c:
+                parts.append(f"tau {c['ratio']:.3f}{_interval(c['interval'], 3)}, higher on "
+                             f"{c['a_higher']} vs {c['b_higher']} of {c['prompts']} prompts")
+            if "speed_ratio" in c:
+                parts.append(f"tok/s {c['speed_ratio']:.3f}{_interval(c['speed_interval'], 3)}, "
+                             f"faster on {c['a_faster']} vs {c['b_faster']}")
+            lines.append(f"- {c['suite']} T={c['temp']:g}, {c['a']} / {c['b']}: " + "; ".join(parts))
     for skip in report.get("skipped", []):
         lines += ["", f"Skipped: {skip['engine']} ({skip['reason']})."]
     cost = report.get("verify_cost")

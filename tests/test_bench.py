@@ -59,7 +59,11 @@ def test_bench_dflash_and_lookup_with_full_vocab(smollm_dir, tmp_path):
     (comparison,) = report["comparisons"]
     assert comparison["ratio"] == pytest.approx(fixed["tau"]) and comparison["prompts"] == 2
     assert comparison["b_higher"] == 0
-    assert "dflash+lookup@4 / none = " in md.read_text()
+    assert comparison["speed_ratio"] == pytest.approx(fixed["speedup"])  # tok/s over plain's
+    low, high = comparison["speed_interval"]
+    assert low <= comparison["speed_ratio"] <= high and fixed["speedup_interval"] == [low, high]
+    assert rows["none"]["speedup_interval"] == [1.0, 1.0]
+    assert "copy T=0, dflash+lookup@4 / none: tau " in md.read_text()
 
 
 def test_bench_llama_cpp_peer_on_the_same_gguf(smollm_dir, tmp_path):

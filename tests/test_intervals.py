@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlxspec.intervals import paired_tau_ratio, tau, tau_interval
+from mlxspec.intervals import paired_ratio, paired_tau_ratio, ratio_interval, tau, tau_interval
 
 
 def test_tau_is_tokens_per_target_pass():
@@ -44,3 +44,16 @@ def test_mismatched_prompt_counts_are_refused():
         tau_interval([1, 2], [1])
     with pytest.raises(ValueError, match="same prompts"):
         paired_tau_ratio(([1, 2], [0, 0]), ([1], [0]))
+
+
+def test_speed_is_compared_paired_and_prompts_that_timed_nothing_are_skipped():
+    """tok/s as a ratio of sums (tokens, seconds per prompt); a prompt with no timed tokens (a
+    one-token answer) has no rate of its own and counts for neither side."""
+    a = ([60, 60, 0, 60], [3.0, 2.0, 0.0, 4.0])
+    b = ([60, 60, 0, 60], [4.0, 2.5, 0.0, 5.0])
+    result = paired_ratio(a, b)
+    assert result["ratio"] == pytest.approx((180 / 9.0) / (180 / 11.5))
+    assert (result["a_higher"], result["b_higher"]) == (3, 0)
+    low, high = result["interval"]
+    assert 1 < low <= result["ratio"] <= high
+    assert ratio_interval([0, 0], [0.0, 0.0]) is None  # nothing timed at all: no interval
