@@ -38,7 +38,8 @@ if [[ "${1:-}" == "speed" ]]; then
   $mlxspec bench --drafters none,lookup,dflash,dflash+lookup --suite humaneval,mtbench \
     --temp 0,1 --limit 20 --max-tokens 64 --no-mlx-lm --no-llama-cpp \
     --compare dflash+lookup/lookup --compare dflash/lookup \
-    --out $out/smollm2-dflash-speed.json --markdown $out/smollm2-dflash-speed.md
+    --out $out/smollm2-dflash-speed.json --markdown $out/smollm2-dflash-speed.md \
+    --plot $out/smollm2-dflash-speed.png
   exit 0
 fi
 

@@ -366,8 +366,8 @@ def save_report(report: dict, path: str) -> None:
 
 
 def plot_report(report: dict, path: str) -> None:
-    """Speedup over the same engine's plain decoding (bars) and tau (labels) per suite and
-    configuration, one panel per T. Engines differ in absolute speed (llama.cpp runs quantised
+    """Speedup over the same engine's plain decoding (bars, with their 95% intervals over the
+    prompts) and tau (labels) per suite and configuration, one panel per T. Engines differ in absolute speed (llama.cpp runs quantised
     kernels): the table has tok/s, the plot what each engine's drafting buys it."""
     import matplotlib
 
@@ -382,17 +382,21 @@ def plot_report(report: dict, path: str) -> None:
     width = 0.8 / max(len(configs), 1)
     for ax, temp in zip(axes[0], temps):
         for j, config in enumerate(configs):
-            xs, ys, taus = [], [], []
+            xs, ys, taus, errors = [], [], [], [[], []]
             for i, suite in enumerate(suites):
                 for r in results:
                     if (r["engine"], r["drafter"]) == config and r["suite"] == suite and r["temp"] == temp:
                         xs.append(i + j * width)
                         ys.append(r["speedup"] or 0)
                         taus.append(r["tau"])
-            bars = ax.bar(xs, ys, width, label=f"{config[0]} {config[1]}")
-            for bar, tau in zip(bars, taus):
-                if tau:
-                    ax.annotate(f"τ{tau:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        low, high = r.get("speedup_interval") or (ys[-1], ys[-1])
+                        errors[0].append(ys[-1] - low)
+                        errors[1].append(high - ys[-1])
+            bars = ax.bar(xs, ys, width, yerr=errors, capsize=2, label=f"{config[0]} {config[1]}")
+            for bar, tau, above in zip(bars, taus, errors[1]):
+                if tau:  # above the interval's top, where there is one
+                    ax.annotate(f"τ{tau:.2f}", (bar.get_x() + bar.get_width() / 2,
+                                                 bar.get_height() + above),
                                 ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(suites))], suites)
