@@ -311,8 +311,9 @@ def _csv(kind):
 @click.option("--llama-cpp-num-draft", type=int, default=10, show_default=True,
               help="Tokens llama.cpp's prompt lookup drafts per step.")
 @click.option("--compare", "comparisons", multiple=True, metavar="A/B",
-              help="Report tau(A) / tau(B) for two of --drafters, paired over the same prompts "
-                   "with a 95%% bootstrap interval (repeatable), e.g. dflash@15/lookup@15.")
+              help="Report tau(A) / tau(B) and tok/s(A) / tok/s(B) for two of --drafters, paired "
+                   "over the same prompts, with 95%% bootstrap intervals (repeatable), e.g. "
+                   "dflash+lookup/lookup.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
 @click.option("--markdown", default=None, type=click.Path(dir_okay=False),
               help="Also write the results table as Markdown.")

@@ -169,7 +169,8 @@ def run_benchmark(
     runs with a fixed K drafts per step, others with the adaptive K unless `adaptive` is off.
     Peers: mlx-lm on the same model object, llama.cpp on `llama_cpp_gguf` (the same weights'
     GGUF); a peer that cannot run is listed under "skipped" with the reason. Each (a, b) in
-    `compare` (two of our labels) adds tau(a) / tau(b) per suite and T, paired over prompts."""
+    `compare` (two of our labels) adds tau(a) / tau(b) and tok/s(a) / tok/s(b) per suite and T,
+    paired over prompts (mlxspec.intervals)."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
@@ -367,8 +368,9 @@ def save_report(report: dict, path: str) -> None:
 
 def plot_report(report: dict, path: str) -> None:
     """Speedup over the same engine's plain decoding (bars, with their 95% intervals over the
-    prompts) and tau (labels) per suite and configuration, one panel per T. Engines differ in absolute speed (llama.cpp runs quantised
-    kernels): the table has tok/s, the plot what each engine's drafting buys it."""
+    prompts) and tau (labels) per suite and configuration, one panel per T. Engines differ in
+    absolute speed (llama.cpp runs quantised kernels): the table has tok/s, the plot what each
+    engine's drafting buys it."""
     import matplotlib
 
     matplotlib.use("Agg")
