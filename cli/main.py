@@ -312,7 +312,7 @@ def _csv(kind):
               help="Tokens llama.cpp's prompt lookup drafts per step.")
 @click.option("--compare", "comparisons", multiple=True, metavar="A/B",
               help="Report tau(A) / tau(B) and tok/s(A) / tok/s(B) for two of --drafters, paired "
-                   "over the same prompts, with 95%% bootstrap intervals (repeatable), e.g. "
+                   "over the same prompts, with 95% bootstrap intervals (repeatable), e.g. "
                    "dflash+lookup/lookup.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Results JSON.")
 @click.option("--markdown", default=None, type=click.Path(dir_okay=False),
