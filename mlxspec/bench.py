@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import _blas
 from .generate import encode_prompt, stream_generate
-from .intervals import paired_ratio, paired_tau_ratio, tau_interval
+from .intervals import paired_ratio, paired_tau_ratio, tau, tau_interval
 from .peers import LlamaCppPeer, llama_cpp_missing
 from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
 
@@ -32,10 +32,7 @@ class RunResult:
     drafter: str
     suite: str
     temp: float
-    tokens: int = 0
-    seconds: float = 0.0  # generation time, first token excluded (as mlx-lm reports tok/s)
     ttft: list[float] = field(default_factory=list)
-    tps_per_prompt: list[float] = field(default_factory=list)
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -44,7 +41,8 @@ class RunResult:
     # Per prompt, in order, for intervals over prompts (mlxspec.intervals):
     passes_per_prompt: list[int] = field(default_factory=list)
     accepted_per_prompt: list[int] = field(default_factory=list)
-    tokens_per_prompt: list[int] = field(default_factory=list)  # timed tokens (first excluded)
+    # Generation time, first token excluded (as mlx-lm reports tok/s), and the tokens it timed:
+    tokens_per_prompt: list[int] = field(default_factory=list)
     seconds_per_prompt: list[float] = field(default_factory=list)
     peak_memory_gb: float | None = None  # None where the engine does not report it (llama.cpp)
 
@@ -60,10 +58,18 @@ class RunResult:
         self.ttft.append(first - start)
         self.tokens_per_prompt.append(max(n - 1, 0))
         self.seconds_per_prompt.append(end - first if n > 1 else 0.0)
-        if n > 1:
-            self.tokens += n - 1
-            self.seconds += end - first
-            self.tps_per_prompt.append((n - 1) / (end - first))
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_per_prompt)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.seconds_per_prompt)
+
+    @property
+    def tps_per_prompt(self) -> list[float]:
+        return [t / s for t, s in zip(self.tokens_per_prompt, self.seconds_per_prompt) if t]
 
     @property
     def tps(self) -> float:
@@ -71,11 +77,15 @@ class RunResult:
 
     def summary(self, plain_tps: float | None) -> dict:
         d = asdict(self)
+        tps_per_prompt = self.tps_per_prompt
         d.update(
+            tokens=self.tokens,
+            seconds=self.seconds,
+            tps_per_prompt=tps_per_prompt,
             tps=self.tps,
-            tps_stdev=statistics.pstdev(self.tps_per_prompt) if self.tps_per_prompt else 0.0,
+            tps_stdev=statistics.pstdev(tps_per_prompt) if tps_per_prompt else 0.0,
             speedup=self.tps / plain_tps if plain_tps else None,
-            tau=(self.accepted + self.target_passes) / self.target_passes if self.target_passes else None,
+            tau=tau([self.target_passes], [self.accepted]) if self.target_passes else None,
             tau_interval=tau_interval(self.passes_per_prompt, self.accepted_per_prompt)
             if self.target_passes else None,
             acceptance_rate=self.accepted / self.drafted if self.drafted else None,
@@ -395,10 +405,10 @@ def plot_report(report: dict, path: str) -> None:
                         errors[0].append(ys[-1] - low)
                         errors[1].append(high - ys[-1])
             bars = ax.bar(xs, ys, width, yerr=errors, capsize=2, label=f"{config[0]} {config[1]}")
-            for bar, tau, above in zip(bars, taus, errors[1]):
-                if tau:  # above the interval's top, where there is one
-                    ax.annotate(f"τ{tau:.2f}", (bar.get_x() + bar.get_width() / 2,
-                                                 bar.get_height() + above),
+            for bar, bar_tau, above in zip(bars, taus, errors[1]):
+                if bar_tau:  # above the interval's top, where there is one
+                    ax.annotate(f"τ{bar_tau:.2f}", (bar.get_x() + bar.get_width() / 2,
+                                                     bar.get_height() + above),
                                 ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(suites))], suites)

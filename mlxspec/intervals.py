@@ -24,9 +24,17 @@ def ratio_of_sums(numerators: Sequence[float], denominators: Sequence[float]) ->
     return sum(numerators) / total if total else math.nan  # e.g. resampled prompts that timed nothing
 
 
+def tau_sums(passes: Sequence[int], accepted: Sequence[int]) -> Sums:
+    """tau as a ratio of sums: every pass yields the target's own token plus its accepted drafts,
+    so (tokens, passes) per prompt."""
+    if len(passes) != len(accepted):
+        raise ValueError(f"{len(passes)} prompts' passes but {len(accepted)} prompts' accepted")
+    return [p + a for p, a in zip(passes, accepted)], passes
+
+
 def tau(passes: Sequence[int], accepted: Sequence[int]) -> float:
-    """Tokens per target pass: every pass yields the target's own token plus its accepted drafts."""
-    return ratio_of_sums([p + a for p, a in zip(passes, accepted)], passes)
+    """Tokens per target pass."""
+    return ratio_of_sums(*tau_sums(passes, accepted))
 
 
 def _percentiles(values: list[float], level: float) -> list[float] | None:
@@ -62,9 +70,7 @@ def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], *
 
 def tau_interval(passes: Sequence[int], accepted: Sequence[int], **options) -> list[float] | None:
     """Bootstrap interval of tau over prompts (passes and accepted drafts per prompt)."""
-    if len(passes) != len(accepted):
-        raise ValueError(f"{len(passes)} prompts' passes but {len(accepted)} prompts' accepted")
-    return ratio_interval([p + a for p, a in zip(passes, accepted)], passes, **options)
+    return ratio_interval(*tau_sums(passes, accepted), **options)
 
 
 def paired_ratio(a: Sums, b: Sums, *, level: float = LEVEL, resamples: int = RESAMPLES,
@@ -95,8 +101,4 @@ def paired_ratio(a: Sums, b: Sums, *, level: float = LEVEL, resamples: int = RES
 def paired_tau_ratio(a: tuple[Sequence[int], Sequence[int]], b: tuple[Sequence[int], Sequence[int]],
                      **options) -> dict:
     """tau(a) / tau(b) on the same prompts, each side given as (passes, accepted) per prompt."""
-    def sums(side):
-        passes, accepted = side
-        return [p + x for p, x in zip(passes, accepted)], passes
-
-    return paired_ratio(sums(a), sums(b), **options)
+    return paired_ratio(tau_sums(*a), tau_sums(*b), **options)
