@@ -39,6 +39,9 @@ def train():
 @click.option("--stop-after", type=int, default=None,
               help="Stop (saved) at this step, keeping --steps' learning-rate schedule; "
                    "--resume continues from it.")
+@click.option("--minutes", type=float, default=None,
+              help="Stop (saved) after the step that ends past this much training time, keeping "
+                   "--steps' schedule (for a machine lent for a fixed time); --resume continues.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--warmup", type=int, default=None, help="Warmup steps (default: min(100, steps/10)).")
 @click.option("--anchors", type=int, default=64, show_default=True,
@@ -94,7 +97,7 @@ def train():
               default="float32", show_default=True,
               help="Target weights dtype when converting a .gguf or HF model on first use.")
 def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, resume, stop_after,
-           lr, warmup, anchors, gamma, batch_size, max_seq_len, num_prompts, heldout, responses,
+           minutes, lr, warmup, anchors, gamma, batch_size, max_seq_len, num_prompts, heldout, responses,
            labels, max_new_tokens, data_dir, init, init_final_norm, loss_vocab, generate_with, backend,
            device, generate_batch_size, eval_every, eval_max_tokens, eval_prompts, save_every, seed,
            dtype):
@@ -113,16 +116,19 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
     if stop_after is not None and not 0 <= stop_after <= steps:
         raise click.BadParameter(f"must be within 0..--steps ({steps}), got {stop_after}",
                                  param_hint="--stop-after")
+    if minutes is not None and minutes <= 0:
+        raise click.BadParameter(f"must be > 0, got {minutes}", param_hint="--minutes")
     try:
         model, tokenizer = load(target, dtype=dtype)
         torch_model = None
         if "torch" in (backend, generate_with):
-            torch_model = load(target, backend="torch", device=device)[0]
+            # float32 on any device: the recipe's features and labels, as on the MLX side
+            torch_model = load(target, backend="torch", device=device, torch_dtype="float32")[0]
         generator = torch_model if generate_with == "torch" else None
         result = train_dflash(
             model, prompts, out, tokenizer=tokenizer, layers=layers, block_size=block_size,
             target_layer_ids=target_layer_ids, steps=steps, resume=resume, stop_after=stop_after,
-            lr=lr, warmup=warmup,
+            minutes=minutes, lr=lr, warmup=warmup,
             anchors=anchors, gamma=gamma, batch_size=batch_size, max_seq_len=max_seq_len,
             num_prompts=num_prompts, heldout=heldout, responses=responses, labels=labels,
             max_new_tokens=max_new_tokens, data_dir=data_dir, init=init, eval_every=eval_every,

@@ -259,15 +259,18 @@ def test_draft_vocab_drafts_match(tiny_target, tmp_path):
 TRAIN_PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 3], [5, 9, 11, 5], [3, 8, 1], [2, 4, 6, 8], [10, 1, 10]]
 
 
-def test_torch_training_matches_mlx(tiny_target, tmp_path):
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_torch_training_matches_mlx(tiny_target, tmp_path, batch_size):
     """`train_dflash(backend="torch")` is the MLX run in other tensor math: same data, anchors,
     init, schedule and reduced loss vocabulary give the same losses and checkpoint, with a
     sliding-window layer in the drafter; a torch run stopped and resumed equals an
-    uninterrupted one."""
+    uninterrupted one. With several sequences a step, torch pads them into one pass (target and
+    drafter) where MLX loops over them: the same losses still."""
     from mlxspec.training import train_dflash
 
     twin = torch_twin(tiny_target, tmp_path / "twin")
     options = dict(layers=2, block_size=4, steps=5, anchors=4, max_new_tokens=10, heldout=1,
+                   batch_size=batch_size,
                    eval_every=0, save_every=5, progress=False, seed=0, lr=3e-3, warmup=1,
                    loss_vocab=8, data_dir=tmp_path / "data",
                    drafter_overrides={"layer_types": ["sliding_attention", "full_attention"],
@@ -540,3 +543,30 @@ def test_torch_target_labels_equal_mlx(tiny_target, tmp_path):
     mlx_labels, torch_labels = mlx_labels.tolist(), torch_labels.tolist()
     assert mlx_labels == torch_labels and mlx_labels[1:] != text[1:]
     assert np.abs(np.array(mlx_feats) - torch_feats.numpy()).max() < 1e-3
+
+
+def test_torch_padded_batch_is_the_sum_of_its_sequences(tiny_target, tmp_path):
+    """One torch step over sequences of different lengths and anchor counts, padded into one
+    target pass and one drafter pass, weighs exactly what each sequence alone does: padded
+    positions and padded blocks carry nothing, and no sequence sees another's context."""
+    from mlxspec.models.dflash import DFlashConfig, DFlashModel
+    from mlxspec.torch_backend.dflash_training import TorchDFlashTraining
+    from mlxspec.training.dflash_trainer import _schedule, drafter_config_for
+
+    twin = torch_twin(tiny_target, tmp_path / "twin")
+    vocab = tiny_target.args.vocab_size
+    args = DFlashConfig.from_dict(drafter_config_for(tiny_target, layers=2, block_size=4,
+                                                     mask_token_id=vocab - 1))
+    weights = dict(tree_flatten(DFlashModel(args).parameters()))
+    math = TorchDFlashTraining(twin, args, weights, schedule=_schedule(1e-3, 1, 2),
+                               weight_decay=0.0, grad_clip=0.0, gamma=4.0, loss_ids=None,
+                               inv_scale=None, labels="target")
+    rng = np.random.default_rng(7)
+    sequences = [[int(t) for t in rng.integers(0, vocab, n)] for n in (19, 7, 12)]
+    anchors = [np.array([0, 3, 9, 15]), np.array([2]), np.array([1, 4, 10])]
+    with torch.no_grad():
+        together = math._batch_loss(list(zip(math.features_batch(sequences), sequences, anchors)))
+        alone = [math._batch_loss([(math.features(s), s, a)]) for s, a in zip(sequences, anchors)]
+    for part, whole in zip(zip(*alone), together):
+        assert abs(float(sum(part)) - float(whole)) < 1e-4 * max(1.0, abs(float(whole)))
+    assert int(together[2]) == sum(int(c) for _, _, c in alone)

@@ -378,6 +378,25 @@ def test_grown_layers_start_from_target_layers_below_the_last(target):
                         - _drafter_outputs(grown_config, grown, features, block)).max()) < 1e-6
 
 
+
+def test_time_budget_stops_saved_and_resumes_as_one_run(target, tmp_path):
+    """minutes= (a machine lent for a fixed time): the run stops after the step that ends past
+    the budget, saved though not at a save_every step, on the full schedule; resumed, it ends
+    where an uninterrupted run does. A budget that is not positive is refused before any work."""
+    _train(target, tmp_path / "whole")
+    first = _train(target, tmp_path / "split", minutes=1e-9)  # out of time after one step
+    assert first.step == 1
+    state = json.loads((tmp_path / "split" / "train_state" / "state.json").read_text())
+    assert state["step"] == 1 and state["steps"] == 6
+    second = _train(target, tmp_path / "split", resume=True)
+    assert second.step == 6 and [s for s, _ in second.losses] == [2, 3, 4, 5, 6]
+    a = mx.load(str(tmp_path / "whole" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "split" / "model.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    with pytest.raises(ValueError, match="minutes"):
+        _train(target, tmp_path / "refused", minutes=0)
+    assert not (tmp_path / "refused").exists()
+
 def test_a_run_resumed_with_more_layers_grows_its_drafter(target, tmp_path):
     """--resume --layers 2 on a one-layer run: same log, data cursor and schedule, a two-layer
     checkpoint that decodes losslessly; fewer layers than the run has is refused before any

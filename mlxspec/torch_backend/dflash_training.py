@@ -6,6 +6,7 @@ held-out τ and checkpoint writing are `train_dflash`'s); only the tensor math i
 faster than MLX (MLX's CPU exp/softmax are scalar), and it runs on CUDA.
 """
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,47 +22,98 @@ from .target import capture_layer_outputs, decoder_layers, model_device
 
 
 def _rotate(rope, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """NeoX RoPE of x (N, heads, bs, D) at per-block positions (N, bs)."""
+    """NeoX RoPE of x (..., heads, bs, D) at per-block positions (..., bs)."""
     inv_freq = rope.inv_freq.to(x.device)
-    angles = (positions.float() * rope.scale)[..., None] * inv_freq  # (N, bs, D/2)
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    angles = (positions.float() * rope.scale)[..., None] * inv_freq  # (..., bs, D/2)
+    cos, sin = angles.cos().unsqueeze(-3), angles.sin().unsqueeze(-3)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 def _attention(attn, x, ctx, anchors, mask, rope):
-    """All blocks at once: x (N, bs, H) block inputs, ctx (1, L, H) the fused context, whose
-    K/V are computed once and shared (one batched matmul per kv head group)."""
-    N, bs, _ = x.shape
+    """All blocks of B sequences at once: x (B, N, bs, H) block inputs, ctx (B, L, H) each
+    sequence's fused context, whose K/V are computed once per sequence and shared by its blocks;
+    mask (B, N, bs, L + bs) what each slot sees (`training_mask`, padded)."""
+    B, N, bs, _ = x.shape
     nh, kvh, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     rep, L = nh // kvh, ctx.shape[1]
-    ctx_k, ctx_v = attn.keys_values(ctx, rope, 0)  # (1, kvh, L, D)
-    positions = anchors[:, None] + torch.arange(bs, device=x.device)[None]
-    q = _rotate(rope, attn.q_norm(attn.q_proj(x).view(N, bs, nh, D)).transpose(1, 2), positions)
-    k = _rotate(rope, attn.k_norm(attn.k_proj(x).view(N, bs, kvh, D)).transpose(1, 2), positions)
-    v = attn.v_proj(x).view(N, bs, kvh, D).transpose(1, 2)
-    qg = (q * attn.scale).view(N, kvh, rep, bs, D)
-    q_by_group = qg.permute(1, 0, 2, 3, 4).reshape(kvh, N * rep * bs, D)
-    ctx_scores = (q_by_group @ ctx_k[0].transpose(-1, -2)).view(kvh, N, rep, bs, L)
-    scores = torch.cat([ctx_scores.permute(1, 0, 2, 3, 4), qg @ k[:, :, None].transpose(-1, -2)],
-                       dim=-1)  # (N, kvh, rep, bs, L + bs)
-    scores = scores.masked_fill(~mask[:, None, None], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-    ctx_probs = probs[..., :L].permute(1, 0, 2, 3, 4).reshape(kvh, N * rep * bs, L)
-    out = (ctx_probs @ ctx_v[0]).view(kvh, N, rep, bs, D).permute(1, 0, 2, 3, 4)
-    out = out + probs[..., L:] @ v[:, :, None]
-    return attn.o_proj(out.reshape(N, nh, bs, D).transpose(1, 2).reshape(N, bs, -1))
+    ctx_k, ctx_v = attn.keys_values(ctx, rope, 0)  # (B, kvh, L, D)
+    positions = anchors[..., None] + torch.arange(bs, device=x.device)  # (B, N, bs)
+    q = attn.q_norm(attn.q_proj(x).view(B, N, bs, nh, D)).transpose(2, 3)
+    k = attn.k_norm(attn.k_proj(x).view(B, N, bs, kvh, D)).transpose(2, 3)
+    v = attn.v_proj(x).view(B, N, bs, kvh, D).transpose(2, 3)  # (B, N, kvh, bs, D)
+    q, k = _rotate(rope, q, positions), _rotate(rope, k, positions)
+    qg = (q * attn.scale).view(B, N, kvh, rep, bs, D)
+    scores = torch.cat([torch.einsum("bngrsd,bgld->bngrsl", qg, ctx_k),
+                        torch.einsum("bngrsd,bngtd->bngrst", qg, k)], dim=-1)
+    scores = scores.masked_fill(~mask[:, :, None, None], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)  # (B, N, kvh, rep, bs, L + bs)
+    out = (torch.einsum("bngrsl,bgld->bngrsd", probs[..., :L], ctx_v)
+           + torch.einsum("bngrst,bngtd->bngrsd", probs[..., L:], v))
+    return attn.o_proj(out.reshape(B, N, nh, bs, D).transpose(2, 3).reshape(B, N, bs, -1))
 
 
 def block_hidden(model: DFlashModel, features, block_embeddings, anchors, masks):
-    """Normed drafter hidden states (N, bs, H) of every block (see the MLX `block_hidden`)."""
-    ctx = model.hidden_norm(model.fc(features.to(model.dtype)[None]))
+    """Normed drafter hidden states (B, N, bs, H) of every block of B sequences (see the MLX
+    `block_hidden`): features (B, L, F), block_embeddings (B, N, bs, H), anchors (B, N)."""
+    ctx = model.hidden_norm(model.fc(features.to(model.dtype)))
     h = block_embeddings.to(model.dtype)
     for layer, mask in zip(model.layers, masks):
         h = h + _attention(layer.self_attn, layer.input_layernorm(h), ctx, anchors, mask,
                            model.rope)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h)
+
+
+def target_features(target, tokens: list[int], layer_ids, *, predictions: bool = False):
+    """(features (L, len(ids)*H) float32, greedy predictions (L,) or None) of the torch target
+    over `tokens`, as the MLX `target_features`: layers past the deepest id are skipped unless
+    the predictions need the whole model; the last layer's output is final-normed."""
+    feats, predicted = target_features_batch(target, [tokens], layer_ids, predictions=predictions)
+    return feats[0], None if predicted is None else predicted[0]
+
+
+@torch.no_grad()
+@openblas_single_thread()
+def target_features_batch(target, sequences: list[list[int]], layer_ids, *,
+                          predictions: bool = False):
+    """`target_features` of each sequence (two lists), from one padded pass: padding sits after
+    each sequence, where a causal model never looks back from, so it needs no mask."""
+    inner, device = target.model, model_device(target)
+    full = inner.layers
+    last = len(decoder_layers(target)) - 1
+    width = max(len(t) for t in sequences)
+    inputs = torch.tensor([list(t) + [0] * (width - len(t)) for t in sequences], device=device)
+    predicted = None
+    with capture_layer_outputs(target, layer_ids) as outputs:
+        if predictions:
+            predicted = target(input_ids=inputs).logits.argmax(-1)
+        else:
+            inner.layers = full[: max(layer_ids) + 1]
+            try:
+                inner(input_ids=inputs)
+            finally:
+                inner.layers = full
+    parts = [inner.norm(o) if l == last else o for o, l in zip(outputs, layer_ids)]
+    feats = torch.cat(parts, dim=-1).float()  # (B, width, len(ids)*H)
+    lengths = [len(t) for t in sequences]
+    return ([feats[b, :n] for b, n in enumerate(lengths)],
+            None if predicted is None else [predicted[b, :n] for b, n in enumerate(lengths)])
+
+
+@contextmanager
+def tf32_matmuls(device: torch.device):
+    """TF32 matmuls on CUDA for the drafter's step, whose LM head dominates (~8x float32's
+    rate on Hopper); the target's features stay full float32. Restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _to_torch(a, device) -> torch.Tensor:
@@ -101,63 +153,70 @@ class TorchDFlashTraining:
                                            betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=weight_decay)
         self.steps_done = 0
-        layers = decoder_layers(target)
-        self._deepest = max(args.target_layer_ids)
-        self._last = len(layers) - 1
 
     def _lr(self, step: int) -> float:
         return float(self.schedule(mx.array(step)).item())
 
-    @torch.no_grad()
-    @openblas_single_thread()
     def features(self, tokens: list[int]):
-        """(features, labels by position) like MLX's `MLXDFlashTraining.features`: features of
-        `target_layer_ids` (layers past the deepest skipped, the last layer's output final-normed);
-        labels are None (the tokens themselves) or, with labels="target", the target's own
-        next-token predictions (then the whole target runs)."""
-        inner = self.target.model
-        full = inner.layers
-        ids = self.args.target_layer_ids
-        inputs = torch.tensor([tokens], device=self.device)
-        labels = None
-        with capture_layer_outputs(self.target, ids) as outputs:
-            if self.target_labels:
-                predicted = self.target(input_ids=inputs).logits[0].argmax(-1)
-                labels = torch.tensor(shifted_labels(tokens, predicted.cpu().numpy()),
-                                      device=self.device)
-            else:
-                inner.layers = full[: self._deepest + 1]
-                try:
-                    inner(input_ids=inputs)
-                finally:
-                    inner.layers = full
-        parts = [inner.norm(o[0]) if l == self._last else o[0] for o, l in zip(outputs, ids)]
-        feats = torch.cat(parts, dim=-1).float()
-        return (feats * self.inv_scale if self.inv_scale is not None else feats), labels
+        """(features, labels by position) like MLX's `MLXDFlashTraining.features`: the scaled
+        features of `target_layer_ids`; labels are None (the tokens themselves) or, with
+        labels="target", the target's own next-token predictions (then the whole target runs)."""
+        return self.features_batch([tokens])[0]
 
-    def _sequence_loss(self, features, tokens: list[int], anchors: np.ndarray):
+    def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
+        """`features` of each sequence, from one padded target pass."""
+        feats, predicted = target_features_batch(self.target, sequences,
+                                                 self.args.target_layer_ids,
+                                                 predictions=self.target_labels)
+        out = []
+        for b, tokens in enumerate(sequences):
+            f = feats[b].to(self.device)
+            labels = None
+            if predicted is not None:
+                labels = torch.tensor(shifted_labels(tokens, predicted[b].cpu().numpy()),
+                                      device=self.device)
+            out.append((f * self.inv_scale if self.inv_scale is not None else f, labels))
+        return out
+
+    def _batch_loss(self, batch):
+        """(weighted CE sum, weight sum, slot-1 hits) over B sequences' blocks in one pass:
+        features and labels padded to the longest sequence, blocks to the most anchors; padded
+        blocks and slots past a sequence's end carry no weight."""
         args, bs, device = self.args, self.args.block_size, self.device
-        feats, labels_by_position = features
-        toks = torch.tensor(tokens, dtype=torch.long, device=device)
-        targets = toks if labels_by_position is None else labels_by_position
-        anc = torch.from_numpy(anchors.astype(np.int64)).to(device)
-        block = torch.full((len(anchors), bs), args.mask_token_id, dtype=torch.long, device=device)
-        block[:, 0] = toks[anc]
+        B = len(batch)
+        lengths = torch.tensor([len(t) for _, t, _ in batch], device=device)
+        N = max(len(a) for _, _, a in batch)
+        L = int(lengths.max())
+        pad = torch.nn.utils.rnn.pad_sequence
+        toks = pad([torch.tensor(t, dtype=torch.long, device=device) for _, t, _ in batch],
+                   batch_first=True)  # (B, L)
+        feats = pad([f for (f, _), _, _ in batch], batch_first=True)  # (B, L, F)
+        targets = pad([toks[b, : len(t)] if lab is None else lab
+                       for b, ((_, lab), t, _) in enumerate(batch)], batch_first=True)
+        padded = np.zeros((B, N), dtype=np.int64)
+        for b, (_, _, a) in enumerate(batch):
+            padded[b, : len(a)] = a
+        anc = torch.from_numpy(padded).to(device)
+        real = torch.arange(N, device=device)[None] < torch.tensor(
+            [len(a) for _, _, a in batch], device=device)[:, None]  # (B, N)
+        block = torch.full((B, N, bs), args.mask_token_id, dtype=torch.long, device=device)
+        block[..., 0] = toks.gather(1, anc)
         emb = self.embed(block) * args.input_embedding_scale
         by_kind = {}  # one mask per distinct (causal, window): layers mostly share one
         for layer in self.model.layers:
             a = layer.self_attn
             if (a.is_causal, a.window) not in by_kind:
-                m = training_mask(mx.array(anchors.astype(np.int32)), bs, len(tokens),
-                                  causal=a.is_causal, window=a.window)
-                by_kind[a.is_causal, a.window] = _to_torch(m, device)
+                m = np.stack([np.array(training_mask(mx.array(row.astype(np.int32)), bs, L,
+                                                     causal=a.is_causal, window=a.window))
+                              for row in padded])
+                by_kind[a.is_causal, a.window] = torch.from_numpy(m).to(device)
         masks = [by_kind[layer.self_attn.is_causal, layer.self_attn.window]
                  for layer in self.model.layers]
-        hidden = block_hidden(self.model, feats, emb, anc, masks)[:, 1:]
+        hidden = block_hidden(self.model, feats, emb, anc, masks)[:, :, 1:]
         logits = self.model.compute_logits(hidden, lambda h: h @ self.head.T).float()
-        idx = anc[:, None] + torch.arange(1, bs, device=device)[None]
-        valid = idx < len(tokens)
-        labels = targets[idx.clamp(max=len(tokens) - 1)]
+        idx = anc[..., None] + torch.arange(1, bs, device=device)  # (B, N, bs-1)
+        valid = (idx < lengths[:, None, None]) & real[..., None]
+        labels = targets.gather(1, idx.clamp(max=L - 1).view(B, -1)).view(idx.shape)
         if self.label_map is not None:
             labels = self.label_map[labels]
             valid = valid & (labels >= 0)
@@ -165,19 +224,17 @@ class TorchDFlashTraining:
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                              reduction="none").view(labels.shape)
         decay = torch.exp(-torch.arange(bs - 1, device=device, dtype=torch.float32) / self.gamma)
-        weights = decay[None] * valid
-        correct = ((logits[:, 0].argmax(-1) == labels[:, 0]) & valid[:, 0]).sum()
+        weights = decay * valid
+        correct = ((logits[..., 0, :].argmax(-1) == labels[..., 0]) & valid[..., 0]).sum()
         return (ce * weights).sum(), weights.sum(), correct
 
     @openblas_single_thread()
     def step(self, batch) -> tuple[float, int]:
-        total = weight = correct = 0
-        for feats, tokens, anchors in batch:
-            t, w, c = self._sequence_loss(feats, tokens, anchors)
-            total, weight, correct = total + t, weight + w, correct + c
-        loss = total / weight
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with tf32_matmuls(self.device):
+            total, weight, correct = self._batch_loss(batch)
+            loss = total / weight
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         for group in self.optimizer.param_groups:

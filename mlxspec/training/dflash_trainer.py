@@ -663,6 +663,10 @@ class MLXDFlashTraining:
             feats = target_features(self.target, tokens, ids)
         return (feats * self.inv_scale if self.inv_scale is not None else feats), labels
 
+    def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
+        """`features` of each sequence (one at a time: on a CPU a padded batch gains nothing)."""
+        return [self.features(tokens) for tokens in sequences]
+
     def _loss(self, batch):
         total = weight = correct = 0
         for (feats, labels), tokens, chosen in batch:
@@ -726,6 +730,7 @@ def train_dflash(
     drafter_overrides: dict | None = None,
     seed: int = 0,
     stop_after: int | None = None,
+    minutes: float | None = None,
     loss_vocab: int | None = None,
     init_final_norm: bool = False,
     backend: str = "mlx",
@@ -743,7 +748,9 @@ def train_dflash(
     strings or token-id lists (token ids need no tokenizer). Responses ("target": the target's
     greedy answers; "conversation": the data's real answers) are cached in `data_dir` (default
     out/data) and reused or continued by later calls. `steps` is the schedule's length;
-    `stop_after` stops early at that step (as an interruption would, after saving).
+    `stop_after` stops early at that step (as an interruption would, after saving); `minutes`
+    stops (saved) after the step that ends past that much training time, for a machine lent for
+    a fixed time: the schedule stays `steps` long, so a resume carries on along it.
     `layers`: the drafter's depth (default 1); continuing a drafter (`resume`, or `init` from a
     checkpoint) with more layers than it has appends layers that start as the identity
     (`grow_drafter`), so it drafts as before and the new layers learn from there.
@@ -772,6 +779,8 @@ def train_dflash(
         raise ValueError(f"layers must be >= 1, got {layers}")
     if stop_after is not None and not 0 <= stop_after <= steps:
         raise ValueError(f"stop_after must be within 0..steps ({steps}), got {stop_after}")
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes (the training time budget) must be > 0, got {minutes}")
     start_from = None
     if init not in ("target", "random"):
         start_from = Path(init).expanduser()
@@ -795,7 +804,7 @@ def train_dflash(
                              "mlxspec.load(..., backend='torch')")
         from ..loading import load
 
-        torch_target = load(target, backend="torch", device=device)[0]
+        torch_target = load(target, backend="torch", device=device, torch_dtype="float32")[0]
     target, tokenizer = _resolve_target(target, tokenizer)
 
     # -- data: held-out prompts for τ, training sequences in the store
@@ -866,9 +875,17 @@ def train_dflash(
                                        always=eos_ids(tokenizer))
         inv_scale = None
         if normalize_features:
+            if backend == "torch":  # the backend that trains computes its own features
+                from ..torch_backend.dflash_training import target_features as torch_features
+
+                def raw_features(tokens):
+                    return mx.array(torch_features(torch_target, tokens, ids)[0].cpu().numpy())
+            else:
+                def raw_features(tokens):
+                    return target_features(target, tokens, ids)
             sq, count = 0.0, 0
             for i in train_ids[:16]:
-                f = target_features(target, store[i][0][:max_seq_len], ids)
+                f = raw_features(store[i][0][:max_seq_len])
                 sq = sq + (f.astype(mx.float32) ** 2).sum(axis=0)
                 count += f.shape[0]
             inv_scale = 1.0 / mx.maximum(mx.sqrt(sq / count), 1e-3)
@@ -926,15 +943,14 @@ def train_dflash(
         return i
 
     def make_batch():
-        batch, block_count, used = [], 0, []
+        sequences, chosen, used = [], [], []
         for _ in range(batch_size):
             used.append(next_sequence())
             tokens, prompt_len = store[used[-1]]
-            tokens = tokens[:max_seq_len]
-            chosen = sample_anchors(rng, prompt_len, len(tokens), anchors)
-            batch.append((math.features(tokens), tokens, chosen))
-            block_count += len(chosen) * bs
-        return batch, block_count, used
+            sequences.append(tokens[:max_seq_len])
+            chosen.append(sample_anchors(rng, prompt_len, len(sequences[-1]), anchors))
+        batch = list(zip(math.features_batch(sequences), sequences, chosen))
+        return batch, sum(len(c) for c in chosen) * bs, used
 
     result = TrainResult(out=out, step=step)
     if loss_ids is not None:
@@ -947,6 +963,7 @@ def train_dflash(
 
         bar = tqdm(total=steps, initial=step, desc="train dflash", unit="step")
     timed_tokens, timed_seconds = 0, 0.0
+    deadline = None if minutes is None else time.monotonic() + 60 * minutes
     try:
         if not resume:  # the loss vocabulary and feature scale are fixed for the whole run
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -983,8 +1000,11 @@ def train_dflash(
                     postfix["tau"] = f"{last_tau:.2f}"
                 bar.set_postfix(postfix)
                 bar.update(1)
-            if step % save_every == 0 or step == end:
+            out_of_time = deadline is not None and time.monotonic() > deadline
+            if step % save_every == 0 or step == end or out_of_time:
                 save()
+            if out_of_time:
+                break
     finally:
         if bar:
             bar.close()
