@@ -33,15 +33,18 @@ def train():
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--target-layer-ids", callback=_layer_ids, default=None,
               help="Comma-separated target layers to condition on (default: z-lab's spacing).")
-@click.option("--steps", type=int, default=1000, show_default=True,
-              help="Total optimizer steps (the learning-rate schedule's length).")
+@click.option("--steps", type=int, default=None,
+              help="Total optimizer steps (the learning-rate schedule's length). Default: 1000; "
+                   "a resumed run keeps its own; with --minutes, fitted to the time.")
 @click.option("--resume", is_flag=True, help="Continue the run saved in --out.")
 @click.option("--stop-after", type=int, default=None,
               help="Stop (saved) at this step, keeping --steps' learning-rate schedule; "
                    "--resume continues from it.")
 @click.option("--minutes", type=float, default=None,
-              help="Stop (saved) after the step that ends past this much training time, keeping "
-                   "--steps' schedule (for a machine lent for a fixed time); --resume continues.")
+              help="Stop (saved) after the step that ends past this much training time (for a "
+                   "machine lent for a fixed time); --resume continues. Without --steps the "
+                   "schedule is fitted to it: the warmup steps are timed, the cosine gets the "
+                   "steps the time left allows.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--warmup", type=int, default=None, help="Warmup steps (default: min(100, steps/10)).")
 @click.option("--anchors", type=int, default=64, show_default=True,
@@ -113,9 +116,11 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
         raise click.BadParameter(f"must be > 0, got {gamma}", param_hint="--gamma")
     if block_size < 2:
         raise click.BadParameter(f"must be >= 2, got {block_size}", param_hint="--block-size")
-    if stop_after is not None and not 0 <= stop_after <= steps:
+    if stop_after is not None and steps is not None and not 0 <= stop_after <= steps:
         raise click.BadParameter(f"must be within 0..--steps ({steps}), got {stop_after}",
                                  param_hint="--stop-after")
+    if stop_after is not None and stop_after < 0:
+        raise click.BadParameter(f"must be >= 0, got {stop_after}", param_hint="--stop-after")
     if minutes is not None and minutes <= 0:
         raise click.BadParameter(f"must be > 0, got {minutes}", param_hint="--minutes")
     try:

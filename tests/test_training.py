@@ -2,6 +2,7 @@
 checkpoint loads and decodes losslessly, resuming is exact, and one batch can be overfit."""
 
 import json
+import time
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -396,6 +397,22 @@ def test_time_budget_stops_saved_and_resumes_as_one_run(target, tmp_path):
     with pytest.raises(ValueError, match="minutes"):
         _train(target, tmp_path / "refused", minutes=0)
     assert not (tmp_path / "refused").exists()
+
+
+def test_time_budget_without_steps_fits_the_schedule(target, tmp_path):
+    """minutes= and no steps: the warmup steps are timed, the cosine is fitted into the time
+    left (the state records the fitted length), and a resume without steps keeps that length
+    and ends there."""
+    from mlxspec.training.dflash_trainer import FIT_HORIZON
+
+    started = time.monotonic()
+    first = _train(target, tmp_path / "run", steps=None, minutes=0.05, warmup=3)
+    elapsed = time.monotonic() - started
+    fitted = json.loads((tmp_path / "run" / "train_state" / "state.json").read_text())["steps"]
+    assert 4 < fitted < FIT_HORIZON and 4 <= first.step <= fitted
+    assert elapsed < 60  # the budget (3 s) and one run's set-up, not the provisional schedule
+    resumed = _train(target, tmp_path / "run", steps=None, resume=True)
+    assert resumed.step == fitted
 
 def test_a_run_resumed_with_more_layers_grows_its_drafter(target, tmp_path):
     """--resume --layers 2 on a one-layer run: same log, data cursor and schedule, a two-layer

@@ -71,6 +71,8 @@ from .data import (
     split_heldout,
 )
 
+FIT_HORIZON = 10**9  # the provisional schedule length while a time-fitted run times its warmup
+FIT_MIN_STEPS = 4  # steps timed at least before fitting
 STATE_DIR = "train_state"
 
 
@@ -588,6 +590,22 @@ def _load_tree(path: Path):
     return tree_unflatten(list(flat.items()))
 
 
+class FittedSchedule:
+    """Warmup then cosine decay, whose length can be set once the run knows it: `train_dflash`
+    with a time budget and no step count times its warmup steps (which do not depend on the
+    length) and then fits the cosine into the time left."""
+
+    def __init__(self, lr: float, warmup: int, steps: int):
+        self.lr, self.warmup = lr, warmup
+        self.set_length(steps)
+
+    def set_length(self, steps: int) -> None:
+        self.steps, self._schedule = steps, _schedule(self.lr, self.warmup, steps)
+
+    def __call__(self, step):
+        return self._schedule(step)
+
+
 def _schedule(lr: float, warmup: int, steps: int, min_ratio: float = 0.1):
     warmup = max(min(warmup, steps - 1), 0)
     decay = optim.cosine_decay(lr, max(steps - warmup, 1), lr * min_ratio)
@@ -703,7 +721,7 @@ def train_dflash(
     layers: int | None = None,
     block_size: int = 16,
     target_layer_ids=None,
-    steps: int = 1000,
+    steps: int | None = None,
     resume: bool = False,
     lr: float = 6e-4,
     warmup: int | None = None,
@@ -747,10 +765,12 @@ def train_dflash(
     None (the default SmolLM2) to load. prompts: "sharegpt", a .jsonl/.txt path, or a list of
     strings or token-id lists (token ids need no tokenizer). Responses ("target": the target's
     greedy answers; "conversation": the data's real answers) are cached in `data_dir` (default
-    out/data) and reused or continued by later calls. `steps` is the schedule's length;
-    `stop_after` stops early at that step (as an interruption would, after saving); `minutes`
-    stops (saved) after the step that ends past that much training time, for a machine lent for
-    a fixed time: the schedule stays `steps` long, so a resume carries on along it.
+    out/data) and reused or continued by later calls. `steps` is the schedule's length (default
+    1000; a resume keeps its run's); `stop_after` stops early at that step (as an interruption
+    would, after saving); `minutes` stops (saved) after the step that ends past that much training
+    time, for a machine lent for a fixed time, keeping the schedule, so a resume carries on along
+    it. `minutes` without `steps` fits the schedule to the time: the warmup steps are timed and
+    the cosine gets the steps the time left allows (evaluations on the way shorten it).
     `layers`: the drafter's depth (default 1); continuing a drafter (`resume`, or `init` from a
     checkpoint) with more layers than it has appends layers that start as the identity
     (`grow_drafter`), so it drafts as before and the new layers learn from there.
@@ -777,18 +797,25 @@ def train_dflash(
         raise ValueError(f"gamma (the slot weights' decay) must be > 0, got {gamma}")
     if layers is not None and layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
-    if stop_after is not None and not 0 <= stop_after <= steps:
-        raise ValueError(f"stop_after must be within 0..steps ({steps}), got {stop_after}")
     if minutes is not None and not minutes > 0:
         raise ValueError(f"minutes (the training time budget) must be > 0, got {minutes}")
+    if resume and not (state_dir / "state.json").is_file():
+        raise FileNotFoundError(f"{out} has no training state to resume ({STATE_DIR}/state.json)")
+    if steps is None and resume:
+        steps = json.loads((state_dir / "state.json").read_text())["steps"]
+    fit_to_time = steps is None and minutes is not None
+    if steps is None:
+        steps = FIT_HORIZON if fit_to_time else 1000
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if stop_after is not None and not 0 <= stop_after <= steps:
+        raise ValueError(f"stop_after must be within 0..steps ({steps}), got {stop_after}")
     start_from = None
     if init not in ("target", "random"):
         start_from = Path(init).expanduser()
         if not (start_from / "config.json").is_file():
             raise ValueError(f"init must be 'target', 'random' or a DFlash checkpoint directory; "
                              f"{init!r} has no config.json")
-    if resume and not (state_dir / "state.json").is_file():
-        raise FileNotFoundError(f"{out} has no training state to resume ({STATE_DIR}/state.json)")
     if not resume and (state_dir / "state.json").is_file():
         raise FileExistsError(f"{out} already holds a training run; pass resume=True to continue it")
     continued = out if resume else start_from  # a drafter whose config already exists
@@ -845,6 +872,7 @@ def train_dflash(
     if gamma is None:  # a resumed run keeps its own unless told otherwise
         gamma = state["gamma"] if resume else default_gamma(bs)
     warmup = warmup if warmup is not None else min(100, steps // 10)
+    schedule = FittedSchedule(lr, warmup, steps)
     vocab_file = state_dir / "loss_vocab.safetensors"
     scale_file = state_dir / "feature_scale.safetensors"
     if resume:
@@ -903,7 +931,7 @@ def train_dflash(
         donors = growth_donors(target, args.num_hidden_layers, layers)
         config, weights = grow_drafter(config, weights, layers, donors)
         args = DFlashConfig.from_dict(config)
-    options = dict(schedule=_schedule(lr, warmup, steps), weight_decay=weight_decay,
+    options = dict(schedule=schedule, weight_decay=weight_decay,
                    grad_clip=grad_clip, gamma=gamma, loss_ids=loss_ids, inv_scale=inv_scale,
                    labels=labels)
     if backend == "mlx":
@@ -926,7 +954,7 @@ def train_dflash(
         _atomic_write_text(state_dir / "state.json", json.dumps({
             "step": step, "epoch": epoch, "cursor": cursor, "epoch_sizes": epoch_sizes,
             "rng": rng.bit_generator.state,
-            "steps": steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
+            "steps": schedule.steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
             "gamma": gamma, "lr": lr, "backend": backend, "loss_vocab": loss_vocab,
             "max_seq_len": max_seq_len,
             "labels": labels,
@@ -962,8 +990,9 @@ def train_dflash(
         from tqdm import tqdm
 
         bar = tqdm(total=steps, initial=step, desc="train dflash", unit="step")
-    timed_tokens, timed_seconds = 0, 0.0
+    timed_tokens, timed_seconds, step_seconds = 0, 0.0, []
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
+    fit_at = step + max(warmup, FIT_MIN_STEPS)  # the step after which the cosine is fitted
     try:
         if not resume:  # the loss vocabulary and feature scale are fixed for the whole run
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -980,6 +1009,15 @@ def train_dflash(
             step += 1
             timed_tokens += n_tokens
             timed_seconds += seconds
+            step_seconds.append(seconds)
+            if fit_to_time and step == fit_at:  # the warmup is timed: fit the rest into the time
+                per_step = float(np.median(step_seconds[len(step_seconds) // 2:]))
+                left = max(deadline - time.monotonic(), 0.0)
+                schedule.set_length(step + max(int(left / per_step), 1))
+                end = min(schedule.steps, stop_after) if stop_after is not None else schedule.steps
+                fit_to_time = False
+                if bar:
+                    bar.total = schedule.steps
             entry = {"step": step, "sequences": used, "loss": round(loss, 5),
                      "block_tokens_per_s": round(n_tokens / seconds, 1),
                      "slot1_acc": round(correct / max(n_tokens // bs, 1), 4),
