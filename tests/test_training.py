@@ -413,6 +413,9 @@ def test_time_budget_without_steps_fits_the_schedule(target, tmp_path):
     assert elapsed < 60  # the budget (3 s) and one run's set-up, not the provisional schedule
     resumed = _train(target, tmp_path / "run", steps=None, resume=True)
     assert resumed.step == fitted
+    short = _train(target, tmp_path / "short", steps=None, minutes=1e-9, warmup=3)
+    state = json.loads((tmp_path / "short" / "train_state" / "state.json").read_text())
+    assert short.step == state["steps"] == 1  # out of time in the warmup: the schedule ends there
 
 def test_a_run_resumed_with_more_layers_grows_its_drafter(target, tmp_path):
     """--resume --layers 2 on a one-layer run: same log, data cursor and schedule, a two-layer

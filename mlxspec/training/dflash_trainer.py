@@ -1039,6 +1039,8 @@ def train_dflash(
                 bar.set_postfix(postfix)
                 bar.update(1)
             out_of_time = deadline is not None and time.monotonic() > deadline
+            if out_of_time and fit_to_time:  # the time ran out within the warmup: it ends here
+                schedule.set_length(step)
             if step % save_every == 0 or step == end or out_of_time:
                 save()
             if out_of_time:
