@@ -39,7 +39,15 @@ fi
 
 VENV="${GPU_CHECK_VENV:-$MLXSPEC_CACHE/gpu-venv}"  # default: inside the ignored cache folder
 if [[ ! -x "$VENV/bin/python" ]]; then
-  "$PYTHON" -m venv --system-site-packages "$VENV" || return 1
+  # No pip or setuptools of its own: the machine's (newer, with wheel) install mlxspec editable
+  # without build isolation, offline.
+  "$PYTHON" -m venv --system-site-packages --without-pip "$VENV" || return 1
+  # Where PYTHON is itself a venv's (the H200 image's torch lives in /opt/torch/.venv), the new
+  # venv's "system" packages are the base interpreter's, without torch: a .pth adds the parent's.
+  parent=$("$PYTHON" -c "import site, sys; print(chr(10).join(site.getsitepackages()) if sys.prefix != sys.base_prefix else '')")
+  if [[ -n "$parent" ]]; then
+    "$VENV/bin/python" -c "import site, sys; open(site.getsitepackages()[0] + '/parent_venv.pth', 'w').write(sys.argv[1] + chr(10))" "$parent" || return 1
+  fi
 fi
 PY="$VENV/bin/python"
 pip_install() {
