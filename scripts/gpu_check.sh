@@ -6,7 +6,7 @@
 #      the carried bundle of scripts/gpu_bundle.py;
 #   2. a short `mlxspec bench --backend torch --device cuda` (bf16): plain vs lookup vs a draft
 #      model (SmolLM2's first 6 layers) vs DFlash (an untrained drafter in the released format:
-#      it measures DFlash's overhead, not its speedup; no trained SmolLM2 drafter exists yet);
+#      it measures DFlash's overhead, not its speedup, on five target layers);
 #   3. the MLX<->torch parity suite (tests/test_torch_backend.py) with the torch side on CUDA in
 #      float32 (MLXSPEC_TORCH_DEVICE=cuda; the MLX side runs where MLX runs, the CPU on Linux).
 # Results: docs/results/torch_cuda_{env.txt,parity.log,bench.json,bench.md,bench.log}
