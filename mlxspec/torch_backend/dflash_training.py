@@ -103,8 +103,9 @@ def target_features_batch(target, sequences: list[list[int]], layer_ids, *,
 
 @contextmanager
 def tf32_matmuls(device: torch.device):
-    """TF32 matmuls on CUDA for the drafter's step, whose LM head dominates (~8x float32's
-    rate on Hopper); the target's features stay full float32. Restored after."""
+    """TF32 matmuls on CUDA (~8x float32's rate on Hopper) for the target's feature pass and
+    the drafter's step, whose LM head dominates; restored after. TF32 keeps ~1e-3 of a float32
+    product: noise far below what separates a drafter's guesses, in features and labels alike."""
     if device.type != "cuda":
         yield
         return
@@ -165,9 +166,10 @@ class TorchDFlashTraining:
 
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
         """`features` of each sequence, from one padded target pass."""
-        feats, predicted = target_features_batch(self.target, sequences,
-                                                 self.args.target_layer_ids,
-                                                 predictions=self.target_labels)
+        with tf32_matmuls(self.device):
+            feats, predicted = target_features_batch(self.target, sequences,
+                                                     self.args.target_layer_ids,
+                                                     predictions=self.target_labels)
         out = []
         for b, tokens in enumerate(sequences):
             f = feats[b].to(self.device)
