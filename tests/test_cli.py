@@ -567,3 +567,9 @@ def test_train_dflash_stops_after_and_resumes(tmp_path, smollm_first_layers):
     state = json.loads((run / "train_state" / "state.json").read_text())
     assert [e["step"] for e in state["log"]] == [1, 2, 3, 4]
     assert (run / "config.json").is_file() and (run / "model.safetensors").is_file()
+    # --minutes without --steps: out of time within the warmup, the schedule ends at that step
+    timed = [a if a != str(run) else str(tmp_path / "timed") for a in args]
+    timed = timed[:timed.index("--steps")] + timed[timed.index("--steps") + 2:]
+    assert "step 1: checkpoint in" in ok(invoke(*timed, "--minutes", "0.000001")).output
+    state = json.loads((tmp_path / "timed" / "train_state" / "state.json").read_text())
+    assert state["step"] == state["steps"] == 1
