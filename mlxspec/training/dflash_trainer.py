@@ -682,7 +682,7 @@ class MLXDFlashTraining:
         return (feats * self.inv_scale if self.inv_scale is not None else feats), labels
 
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
-        """`features` of each sequence (one at a time: on a CPU a padded batch gains nothing)."""
+        """`features` of each sequence, one at a time (the MLX step loops over them too)."""
         return [self.features(tokens) for tokens in sequences]
 
     def _loss(self, batch):
@@ -990,7 +990,7 @@ def train_dflash(
         from tqdm import tqdm
 
         bar = tqdm(total=steps, initial=step, desc="train dflash", unit="step")
-    timed_tokens, timed_seconds, step_seconds = 0, 0.0, []
+    timed_tokens, step_seconds = 0, []
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
     fit_at = step + max(warmup, FIT_MIN_STEPS)  # the step after which the cosine is fitted
     try:
@@ -1008,7 +1008,6 @@ def train_dflash(
             seconds = time.perf_counter() - t0
             step += 1
             timed_tokens += n_tokens
-            timed_seconds += seconds
             step_seconds.append(seconds)
             if fit_to_time and step == fit_at:  # the warmup is timed: fit the rest into the time
                 per_step = float(np.median(step_seconds[len(step_seconds) // 2:]))
@@ -1049,5 +1048,5 @@ def train_dflash(
         if bar:
             bar.close()
     result.step = step
-    result.block_tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+    result.block_tokens_per_s = timed_tokens / sum(step_seconds) if step_seconds else 0.0
     return result
