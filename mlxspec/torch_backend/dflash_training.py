@@ -104,8 +104,8 @@ def target_features_batch(target, sequences: list[list[int]], layer_ids, *,
 @contextmanager
 def tf32_matmuls(device: torch.device):
     """TF32 matmuls on CUDA (~8x float32's rate on Hopper) for the target's feature pass and
-    the drafter's step, whose LM head dominates; restored after. TF32 keeps ~1e-3 of a float32
-    product: noise far below what separates a drafter's guesses, in features and labels alike."""
+    the drafter's step, whose LM head dominates; restored after. TF32's ~1e-3 relative error in
+    products is accepted for training (features and labels); drafters are judged in float32."""
     if device.type != "cuda":
         yield
         return
