@@ -538,11 +538,11 @@ def test_error_gamma_not_positive(tmp_path):
     assert_clean_error(result, "--gamma", "must be > 0")
 
 
-
 def test_error_minutes_not_positive(tmp_path):
     result = invoke("train", "dflash", "--prompts", "sharegpt", "--out", str(tmp_path / "run"),
                     "--minutes", "-1")
     assert_clean_error(result, "--minutes", "must be > 0")
+
 
 @slow
 def test_train_dflash_stops_after_and_resumes(tmp_path, smollm_first_layers):

@@ -379,7 +379,6 @@ def test_grown_layers_start_from_target_layers_below_the_last(target):
                         - _drafter_outputs(grown_config, grown, features, block)).max()) < 1e-6
 
 
-
 def test_time_budget_stops_saved_and_resumes_as_one_run(target, tmp_path):
     """minutes= (a machine lent for a fixed time): the run stops after the step that ends past
     the budget, saved though not at a save_every step, on the full schedule; resumed, it ends
@@ -416,6 +415,7 @@ def test_time_budget_without_steps_fits_the_schedule(target, tmp_path):
     short = _train(target, tmp_path / "short", steps=None, minutes=1e-9, warmup=3)
     state = json.loads((tmp_path / "short" / "train_state" / "state.json").read_text())
     assert short.step == state["steps"] == 1  # out of time in the warmup: the schedule ends there
+
 
 def test_a_run_resumed_with_more_layers_grows_its_drafter(target, tmp_path):
     """--resume --layers 2 on a one-layer run: same log, data cursor and schedule, a two-layer
