@@ -17,7 +17,6 @@ Greedy tokens and stats (target passes, drafted, accepted, tau, per-position cou
 identical: fixed K (the adaptive policy times steps, so its K depends on the machine).
 """
 
-import json
 import os
 import subprocess
 import sys

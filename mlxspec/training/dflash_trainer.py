@@ -26,12 +26,10 @@ on held-out prompts is measured by the real verification loop with the current d
 """
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
