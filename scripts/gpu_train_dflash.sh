@@ -46,6 +46,8 @@ pids=()
 for layers in ${GPU_LAYERS:-3 5}; do
   run="$runs/dflash-L$layers"
   rm -rf "$run"
+  # Each run tokenises the data into its own store (~35 s, on cores of its own): two runs filling
+  # one store at once would race.
   OMP_NUM_THREADS=4 "$VENV/bin/mlxspec" train dflash --prompts "$PROMPTS" \
     --num-prompts "${GPU_NUM_PROMPTS:-14677}" --heldout 16 --responses conversation \
     --labels target --data-dir "$run-data" --max-new-tokens 256 --backend torch \
