@@ -22,6 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE="${GPU_TRAIN_DEVICE:-cuda}"
+LAYERS="${GPU_LAYERS:-3 5}" MINUTES="${GPU_MINUTES:-5}" BENCH_LIMIT="${GPU_BENCH_LIMIT:-10}"
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$ROOT/.cache}"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PYTHON="${PYTHON:-python3}"
@@ -39,11 +40,11 @@ PROMPTS="${SHAREGPT_JSONL:-sharegpt}"
 "$PY" -c "from mlxspec.loading import resolve_model_dir; print('target:', resolve_model_dir(None))" \
   || exit 1  # converts the GGUF once, before the runs start side by side
 
-step "train: layers ${GPU_LAYERS:-3 5}, ${GPU_MINUTES:-5} min each, side by side on $DEVICE"
+step "train: layers $LAYERS, $MINUTES min each, side by side on $DEVICE"
 runs="$MLXSPEC_CACHE/gpu-runs"
 mkdir -p "$runs"
 pids=()
-for layers in ${GPU_LAYERS:-3 5}; do
+for layers in $LAYERS; do
   run="$runs/dflash-L$layers"
   rm -rf "$run"
   # Each run tokenises the data into its own store (~35 s, on cores of its own): two runs filling
@@ -54,12 +55,12 @@ for layers in ${GPU_LAYERS:-3 5}; do
     --device "$DEVICE" --layers "$layers" --block-size 16 --target-layer-ids 1,14,27 \
     --loss-vocab "${GPU_LOSS_VOCAB:-32768}" --anchors "${GPU_ANCHORS:-256}" \
     --batch-size "${GPU_BATCH:-8}" --lr "${GPU_LR:-1e-3}" --warmup 100 --gamma 7 \
-    --eval-every 0 --save-every 200 --minutes "${GPU_MINUTES:-5}" --out "$run" \
+    --eval-every 0 --save-every 200 --minutes "$MINUTES" --out "$run" \
     > "$run.log" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-for layers in ${GPU_LAYERS:-3 5}; do  # the progress bar's last state, and any error
+for layers in $LAYERS; do  # the progress bar's last state, and any error
   echo "--- L$layers:"; tail -c 1500 "$runs/dflash-L$layers.log" | tr '\r' '\n' | tail -n 8
 done
 
@@ -88,13 +89,13 @@ for run in sorted(p for p in runs.iterdir() if (p / "train_state" / "state.json"
 EOF
 ls -l "$RESULTS"
 
-if [[ "${GPU_BENCH_LIMIT:-10}" -gt 0 ]]; then
+if [[ "$BENCH_LIMIT" -gt 0 ]]; then
   step "bench (a preview: torch on $DEVICE, greedy, full blocks)"
   for packaged in "$runs"/packaged/dflash-L*; do
     [[ -d "$packaged" ]] || continue
     timeout 150 "$VENV/bin/mlxspec" bench --backend torch --device "$DEVICE" \
       --drafters lookup@15,dflash@15 --dflash-model "$packaged" --suite humaneval,mtbench \
-      --temp 0 --limit "${GPU_BENCH_LIMIT:-10}" --max-tokens 64 --no-llama-cpp \
+      --temp 0 --limit "$BENCH_LIMIT" --max-tokens 64 --no-llama-cpp \
       --compare dflash@15/lookup@15 || status=1  # its table goes to train.log
   done
 fi
