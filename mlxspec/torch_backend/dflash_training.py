@@ -187,7 +187,8 @@ class TorchDFlashTraining:
         args, bs, device = self.args, self.args.block_size, self.device
         B = len(batch)
         lengths = torch.tensor([len(t) for _, t, _ in batch], device=device)
-        N = max(len(a) for _, _, a in batch)
+        counts = torch.tensor([len(a) for _, _, a in batch], device=device)
+        N = int(counts.max())
         L = int(lengths.max())
         pad = torch.nn.utils.rnn.pad_sequence
         toks = pad([torch.tensor(t, dtype=torch.long, device=device) for _, t, _ in batch],
@@ -199,8 +200,7 @@ class TorchDFlashTraining:
         for b, (_, _, a) in enumerate(batch):
             padded[b, : len(a)] = a
         anc = torch.from_numpy(padded).to(device)
-        real = torch.arange(N, device=device)[None] < torch.tensor(
-            [len(a) for _, _, a in batch], device=device)[:, None]  # (B, N)
+        real = torch.arange(N, device=device)[None] < counts[:, None]  # (B, N)
         block = torch.full((B, N, bs), args.mask_token_id, dtype=torch.long, device=device)
         block[..., 0] = toks.gather(1, anc)
         emb = self.embed(block) * args.input_embedding_scale
