@@ -14,7 +14,7 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def real_prompts(smollm):
     _, tokenizer = smollm
-    texts = humaneval_prompts(limit=10) + mtbench_prompts(limit=10)
+    texts = humaneval_prompts(limit=7) + mtbench_prompts(limit=7)  # 14 x 32 tokens a drafter
     return [chat_prompt(tokenizer, t) for t in texts]
 
 
@@ -41,9 +41,10 @@ def test_spec_equals_plain_on_real_prompts(smollm, smollm_first_layers, smollm_r
     drafter = mlxspec.load_drafter(kind.split("-")[0], path, model=model, tokenizer=tokenizer)
     total_accepted = total_drafted = 0
     for prompt, plain in zip(real_prompts, plain_outputs):
-        # Fixed K: every step drafts, so every step exercises the rollback path.
-        # DFlash: 7 of the 15 slots keeps CI time down; the block is still drafted in one pass.
-        k = {"dflash": 7, "dflash-shipped": 15, "dflash+lookup": 15}.get(kind)
+        # Fixed K: every step drafts, so every step exercises the rollback path. Small K for the
+        # draft model and the untrained DFlash keeps CI time down (the first is sequential, the
+        # second rarely hit); the shipped DFlash drafts its whole 16-token block in one pass.
+        k = {"draft": 2, "dflash": 3, "dflash-shipped": 15, "dflash+lookup": 15}.get(kind)
         tokens, last = run(model, tokenizer, prompt, drafter, adaptive=False, num_draft=k)
         assert tokens == plain
         # Exact accounting: every pass commits its accepted drafts plus one target token.
