@@ -537,11 +537,17 @@ def test_torch_target_labels_equal_mlx(tiny_target, tmp_path):
     options = dict(schedule=_schedule(1e-3, 1, 2), weight_decay=0.0, grad_clip=0.0, gamma=4.0,
                    loss_ids=None, inv_scale=None, labels="target")
     text = [int(t) for t in np.random.default_rng(5).integers(0, vocab, 24)]
-    mlx_feats, mlx_labels = MLXDFlashTraining(tiny_target, args, weights, **options).features(text)
-    torch_feats, torch_labels = TorchDFlashTraining(twin, args, weights, **options).features(text)
+    mlx_math = MLXDFlashTraining(tiny_target, args, weights, **options)
+    torch_math = TorchDFlashTraining(twin, args, weights, **options)
+    mlx_feats, mlx_labels = mlx_math.features(text)
+    torch_feats, torch_labels = torch_math.features(text)
     mlx_labels, torch_labels = mlx_labels.tolist(), torch_labels.tolist()
     assert mlx_labels == torch_labels and mlx_labels[1:] != text[1:]
     assert np.abs(np.array(mlx_feats) - torch_feats.numpy()).max() < 1e-3
+    # Batched with a shorter sequence (padded in the target pass), each keeps its own labels.
+    short = text[5:14]
+    batched = [labels.tolist() for _, labels in torch_math.features_batch([text, short])]
+    assert batched == [mlx_labels, mlx_math.features(short)[1].tolist()]
 
 
 def test_torch_padded_batch_is_the_sum_of_its_sequences(tiny_target, tmp_path):

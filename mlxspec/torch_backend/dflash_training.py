@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .._blas import openblas_single_thread
 from ..models.dflash import DFlashConfig
-from ..training.dflash_trainer import shifted_labels, training_mask
+from ..training.dflash_trainer import training_mask
 from .dflash import DFlashModel
 from .target import capture_layer_outputs, decoder_layers, model_device
 
@@ -170,13 +170,14 @@ class TorchDFlashTraining:
             feats, predicted = target_features_batch(self.target, sequences,
                                                      self.args.target_layer_ids,
                                                      predictions=self.target_labels)
+        if predicted is not None:  # shifted as `shifted_labels`, on the device: no host copy
+            firsts = torch.tensor([t[0] for t in sequences], device=self.device)
         out = []
-        for b, tokens in enumerate(sequences):
-            f = feats[b].to(self.device)
+        for b, f in enumerate(feats):
+            f = f.to(self.device)
             labels = None
             if predicted is not None:
-                labels = torch.tensor(shifted_labels(tokens, predicted[b].cpu().numpy()),
-                                      device=self.device)
+                labels = torch.cat([firsts[b : b + 1], predicted[b][:-1].to(self.device)])
             out.append((f * self.inv_scale if self.inv_scale is not None else f, labels))
         return out
 
