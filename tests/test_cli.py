@@ -127,8 +127,10 @@ def test_generate_verbose_prints_stats(plain, plain_verbose):
 
 @slow
 def test_generate_lookup_same_text_with_stats(plain):
+    """At a fixed K: the adaptive K follows measured step times, so on a slow machine it could
+    draft too little for the acceptance check (test_bench's did on CI)."""
     r = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter", "lookup",
-                  "--verbose"))
+                  "--fixed-k", "--verbose"))
     assert r.stdout == plain.stdout  # greedy: lossless
     assert re.search(r"^Drafter: lookup \(up to \d+ drafts per step\)$", r.stderr, re.M)
     m = re.search(r"^Target passes: (\d+), drafted: (\d+), accepted: (\d+) \([\d.]+%\), "
@@ -151,7 +153,7 @@ def test_generate_draft_model(plain, smollm_first_layers):
 @slow
 def test_generate_with_the_shipped_dflash_drafter(plain):
     """`--drafter dflash` with no checkpoint: the drafter trained for SmolLM2 that ships in the
-    package; greedy output is the plain text (that its drafts get accepted is checked over 20
+    package; greedy output is the plain text (that its drafts get accepted is checked over 14
     prompts in test_real_greedy_identity)."""
     r = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter", "dflash",
                   "--fixed-k", "--verbose"))
