@@ -187,10 +187,10 @@ class TorchDFlashTraining:
         blocks and slots past a sequence's end carry no weight."""
         args, bs, device = self.args, self.args.block_size, self.device
         B = len(batch)
-        lengths = torch.tensor([len(t) for _, t, _ in batch], device=device)
-        counts = torch.tensor([len(a) for _, _, a in batch], device=device)
-        N = int(counts.max())
-        L = int(lengths.max())
+        host_lengths, host_counts = [len(t) for _, t, _ in batch], [len(a) for _, _, a in batch]
+        L, N = max(host_lengths), max(host_counts)  # from the host: no device sync
+        lengths = torch.tensor(host_lengths, device=device)
+        counts = torch.tensor(host_counts, device=device)
         pad = torch.nn.utils.rnn.pad_sequence
         toks = pad([torch.tensor(t, dtype=torch.long, device=device) for _, t, _ in batch],
                    batch_first=True)  # (B, L)
