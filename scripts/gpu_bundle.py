@@ -90,6 +90,11 @@ def sharegpt_jsonl(dest: Path) -> int:
     return len(examples)
 
 
+def xz(src: Path, dest: Path) -> None:
+    with open(src, "rb") as f, lzma.open(dest, "wb", preset=6) as packed:
+        shutil.copyfileobj(f, packed, 2**24)
+
+
 def main(out=".gpu"):
     out = (ROOT / out).resolve()
     if out.exists():
@@ -101,13 +106,9 @@ def main(out=".gpu"):
         (bundle / "debs").mkdir()
         download_wheels(bundle / "wheels")
         download_debs(bundle / "debs")
-        with open(default_gguf(), "rb") as src, lzma.open(bundle / "smollm2.gguf.xz", "wb",
-                                                          preset=6) as dst:
-            shutil.copyfileobj(src, dst, 2**24)
+        xz(default_gguf(), bundle / "smollm2.gguf.xz")
         count = sharegpt_jsonl(Path(tmp) / "sharegpt.jsonl")
-        with open(Path(tmp) / "sharegpt.jsonl", "rb") as src, lzma.open(
-                bundle / "sharegpt.jsonl.xz", "wb", preset=6) as dst:
-            shutil.copyfileobj(src, dst, 2**24)
+        xz(Path(tmp) / "sharegpt.jsonl", bundle / "sharegpt.jsonl.xz")
         tar = Path(tmp) / "bundle.tar"
         with tarfile.open(tar, "w") as t:
             t.add(bundle, arcname="bundle")
