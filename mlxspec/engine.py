@@ -11,7 +11,7 @@ backend's `Target`; drafters see host token lists and backend arrays.
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from .sampling import SamplingConfig
 
@@ -45,6 +45,25 @@ class Verdict:
         return self.draft_tokens[: self.accepted] + [self.next_token]
 
 
+@dataclass
+class Pass:
+    """One verification pass queued on the device and not yet read: [pending, drafts] through
+    the target and the acceptance rule. `verdict()` is its one host sync."""
+
+    num_draft: int
+    packed: Any  # device (num_draft + 2,): the drafts, the accepted count, the next token
+    next_token: Any  # device scalar: the pending token of a plain pass queued right after this
+    features: Any  # device (num_draft + 1, H * layers), or None
+    to_host: Callable[[Any], list]
+
+    def verdict(self) -> Verdict:
+        host = self.to_host(self.packed)
+        accepted = host[-2]
+        features = self.features[: accepted + 1] if self.features is not None else None
+        return Verdict(draft_tokens=host[:-2], accepted=accepted, next_token=host[-1],
+                       features=features)
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two sequences share: what a cache built for `a` can keep for `b`."""
     n = 0
@@ -62,17 +81,26 @@ class Target(Protocol):
 
     def prefill(self, tokens: Sequence[int]) -> Any: ...
 
-    def verify(self, pending: int, draft: Draft, sampling: SamplingConfig) -> Verdict: ...
+    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig) -> Pass:
+        """Queue one pass over [pending, drafts] and return without waiting for it; `pending`
+        may be a queued plain pass, whose next token is then read on the device."""
+        ...
 
     def trim(self, n: int) -> None: ...
 
-    def can_trim(self) -> bool: ...
+    def rollback_room(self) -> int | None:
+        """How many positions a pass may add to the cache and still be cut back exactly (None:
+        any number), e.g. what a sliding window holds before it starts to overwrite."""
+        ...
 
 
 class Drafter:
     """A source of drafts. Subclasses override `propose`; the rest is optional bookkeeping."""
 
     name = "none"
+    # The most drafts one proposal can hold: None for no limit (lookup, a draft model), a
+    # DFlash block's size - 1, 0 for plain decoding.
+    max_draft: int | None = None
     # Target layers whose outputs the drafter conditions on (DFlash, EAGLE); empty for most.
     capture_layers: tuple[int, ...] = ()
     default_num_draft = 1
@@ -98,6 +126,13 @@ class Drafter:
         return policies[key]
 
 
+class PlainDecoding(Drafter):
+    """Drafts nothing: plain decoding through the same loop, each pass queued on the device
+    before the last one is read."""
+
+    max_draft = 0
+
+
 @dataclass
 class SpecStats:
     target_passes: int = 0
@@ -106,7 +141,7 @@ class SpecStats:
     generated: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    plain_fallback_steps: int = 0  # steps run without drafts because a cache could not be trimmed
+    plain_fallback_steps: int = 0  # steps run without drafts: the cache could not roll them back
 
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         self.target_passes += 1
@@ -144,6 +179,8 @@ class AdaptiveDraftLength:
     / time(K), so useless drafts stop costing verify work on any machine. When K = 0 wins, one
     draft is still tried every `probe_every` steps to notice when drafts become good again.
     """
+
+    reads_tokens = False  # next_k() needs only this object's state, not the latest tokens
 
     def __init__(self, max_k: int, decay: float = 0.7, probe_every: int = 8,
                  prior_token_cost: float = 0.1, min_token_cost: float = 0.03):
@@ -202,6 +239,20 @@ class AdaptiveDraftLength:
             self.step_time[drafted] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
 
+def draft_limit(drafter: Drafter, num_draft: int) -> int:
+    """The most drafts a step verifies: `num_draft`, capped by what the drafter can propose."""
+    return num_draft if drafter.max_draft is None else min(num_draft, drafter.max_draft)
+
+
+def emitted_counts(verdict: Verdict, emitted: int) -> tuple[int, int]:
+    """(drafted, accepted) of a step of which only `emitted` committed tokens were emitted (a
+    stop token came first): a step that stopped inside its accepted drafts counts as the draft
+    cut at the stop token, all of it accepted; otherwise it counts as it was verified."""
+    if emitted <= verdict.accepted:
+        return emitted, emitted
+    return len(verdict.draft_tokens), verdict.accepted
+
+
 def speculative_tokens(
     target: Target,
     drafter: Drafter,
@@ -212,40 +263,75 @@ def speculative_tokens(
     num_draft: int,
     stats: SpecStats,
     adaptive: "bool | AdaptiveDraftLength" = False,
+    stop_tokens: "set[int] | frozenset[int]" = frozenset(),
 ) -> Iterator[tuple[int, bool]]:
-    """Yield (token, from_draft) until max_tokens are produced; the caller handles stop tokens.
+    """Yield (token, from_draft) until max_tokens are produced or a stop token is (yielded last).
 
     The target cache always holds every committed token but the last ("pending") one, so each
     verification pass starts from the pending token and yields at least one new token.
+    Host and device overlap, one host sync per pass: the next pass is queued before this one's
+    tokens go to the caller (its detokenising runs while the device computes), and a plain pass
+    after a plain pass is queued before this one is even read, its pending token still on the
+    device (as mlx-lm's generate_step). A pass queued in vain loses its drafts from the cache.
     """
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    max_k = draft_limit(drafter, num_draft)
     tokens = list(prompt)
     drafter.begin(tokens, target.prefill(tokens))
     if isinstance(adaptive, AdaptiveDraftLength):
         policy = adaptive
     else:
-        policy = drafter.draft_policy(num_draft, sampling.temp == 0) if adaptive else None
-    produced = 0
-    while produced < max_tokens:
-        step_start = time.perf_counter()
-        # Drafts past max_tokens or the context window would be wasted work.
-        budget = min(policy.next_k() if policy else num_draft, max_tokens - produced - 1)
+        policy = drafter.draft_policy(max_k, sampling.temp == 0) if adaptive and max_k else None
+    k_ahead = policy is None or not policy.reads_tokens  # K is known before a pass is read
+
+    def choose_k(produced: int, length: int) -> int:
+        # Drafts past max_tokens or the context window would be wasted work; what the cache can
+        # roll back is known before proposing, so no drafter holds drafts it never hears about.
+        wanted = k = min(policy.next_k() if policy else max_k, max_tokens - produced - 1)
         if target.context_length is not None:
-            budget = min(budget, target.context_length - len(tokens))
-        draft = drafter.propose(tokens, budget, sampling) if budget > 0 else EMPTY_DRAFT
-        if len(draft) and not target.can_trim():
-            stats.plain_fallback_steps += 1
-            draft = EMPTY_DRAFT
-        verdict = target.verify(tokens[-1], draft, sampling)
-        target.trim(len(verdict.draft_tokens) - verdict.accepted)
-        new = verdict.committed[: max_tokens - produced]
-        tokens += verdict.committed
-        drafter.commit(tokens, verdict)
-        stats.record(len(verdict.draft_tokens), verdict.accepted, len(new))
-        if policy:
-            seconds = time.perf_counter() - step_start
-            policy.update(len(verdict.draft_tokens), verdict.accepted, seconds)
-        for i, token in enumerate(new):
-            yield token, i < verdict.accepted
-        produced += len(new)
+            k = min(k, target.context_length - length)
+        room = target.rollback_room()
+        if room is not None and k > room - 1:
+            k = room - 1  # the pending token takes one position
+            stats.plain_fallback_steps += k <= 0 < wanted
+        return max(k, 0)
+
+    def launch(k: int) -> Pass:
+        draft = drafter.propose(tokens, k, sampling) if k > 0 else EMPTY_DRAFT
+        return target.launch(tokens[-1], draft, sampling)
+
+    produced, clock = 0, time.perf_counter()
+    step = launch(choose_k(0, len(tokens)))
+    try:
+        while True:
+            k, queued = None, None
+            if not step.num_draft and k_ahead and produced + 1 < max_tokens:
+                k = choose_k(produced + 1, len(tokens) + 1)
+                if k == 0:
+                    queued = target.launch(step, EMPTY_DRAFT, sampling)
+            verdict = step.verdict()
+            step, now = queued, time.perf_counter()
+            target.trim(len(verdict.draft_tokens) - verdict.accepted)
+            new = verdict.committed[: max_tokens - produced]
+            stop = next((i for i, t in enumerate(new) if t in stop_tokens), None)
+            new = new if stop is None else new[: stop + 1]
+            tokens += verdict.committed
+            drafter.commit(tokens, verdict)
+            stats.record(*emitted_counts(verdict, len(new)), len(new))
+            if policy:
+                policy.update(len(verdict.draft_tokens), verdict.accepted, now - clock)
+            produced, clock = produced + len(new), now
+            finished = stop is not None or produced >= max_tokens
+            if finished and step is not None:
+                target.trim(step.num_draft)  # queued in vain: its pending token is committed
+                step = None
+            elif not finished and step is None:
+                step = launch(choose_k(produced, len(tokens)) if k is None else k)
+            for i, token in enumerate(new):
+                yield token, i < verdict.accepted
+            if finished:
+                return
+    finally:  # the caller stopped early: drafts of a queued pass leave the cache
+        if step is not None:
+            target.trim(step.num_draft)

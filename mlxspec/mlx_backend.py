@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
-from .engine import Draft, Verdict, common_prefix_length
+from .engine import Draft, Pass, common_prefix_length
 from .hidden_states import capture_layer_outputs, concat_features
 from .sampling import SamplingConfig, sample_token
 
@@ -16,6 +16,11 @@ def context_length(model) -> int | None:
     return getattr(args, "max_position_embeddings", None) if args is not None else None
 
 
+def vocab_size(model) -> int:
+    """Rows of the model's embedding table: the token ids it can read."""
+    return int(model.args.vocab_size)
+
+
 def untrimmable_caches(cache: list) -> list[str]:
     """Names of cache types that can never roll back (mlx-lm's ArraysCache for SSM layers...)."""
     names = []
@@ -23,6 +28,10 @@ def untrimmable_caches(cache: list) -> list[str]:
         if not hasattr(c, "trim") or type(c).__name__ in ("ArraysCache", "MambaCache"):
             names.append(type(c).__name__)
     return sorted(set(names))
+
+
+def _to_host(array: mx.array) -> list:
+    return array.tolist()  # waits for the queued pass: the step's one host sync
 
 
 class MLXTarget:
@@ -75,41 +84,47 @@ class MLXTarget:
             return mx.zeros((0, 0))
         return mx.concatenate(features, axis=0)
 
-    def verify(self, pending: int, draft: Draft, sampling: SamplingConfig) -> Verdict:
-        """One forward pass over [pending, drafts]; acceptance; one host sync."""
+    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig) -> Pass:
+        """Build one pass over [pending, drafts] with its acceptance and queue it on the device
+        (mx.async_eval); nothing is read back until `Pass.verdict()`."""
         if isinstance(draft.tokens, list):
             drafts = mx.array(draft.tokens, dtype=mx.int32)
         else:
             drafts = draft.tokens.astype(mx.int32)
-        inputs = mx.concatenate([mx.array([pending], dtype=mx.int32), drafts])
+        if isinstance(pending, Pass):
+            head = pending.next_token.reshape(1)
+        else:
+            head = mx.array([pending], dtype=mx.int32)
+        inputs = mx.concatenate([head, drafts]) if drafts.size else head
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
-        if drafts.shape[0] == 0:
+        if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
         elif sampling.greedy:
             accepted, next_token = accept_greedy(logits, drafts)
         else:
             accepted, next_token = accept_sampled(logits, drafts, draft.probs, sampling)
-        packed = mx.concatenate(
-            [drafts, accepted.astype(mx.int32)[None], next_token.astype(mx.int32)[None]]
-        )
-        to_eval = [packed] + ([features] if features is not None else [])
-        mx.eval(*to_eval)
-        host = packed.tolist()
-        num_accepted = host[-2]
-        return Verdict(
-            draft_tokens=host[:-2],
-            accepted=num_accepted,
-            next_token=host[-1],
-            features=features[: num_accepted + 1] if features is not None else None,
-        )
+        next_token = next_token.astype(mx.int32)
+        packed = mx.concatenate([drafts, accepted.astype(mx.int32)[None], next_token[None]])
+        mx.async_eval(packed, *([features] if features is not None else []))
+        return Pass(num_draft=drafts.size, packed=packed, next_token=next_token,
+                    features=features, to_host=_to_host)
 
     def trim(self, n: int) -> None:
         if n > 0:
             for c in self.cache:
                 c.trim(n)
 
-    def can_trim(self) -> bool:
-        return all(c.is_trimmable() for c in self.cache)
+    def rollback_room(self) -> int | None:
+        """A sliding-window cache (RotatingKVCache) rolls back exactly only while a pass keeps it
+        within its window: past it, mlx-lm's rotation drops entries that a trim cannot restore."""
+        room = None
+        for c in self.cache:
+            if not c.is_trimmable():
+                return 0
+            window = getattr(c, "max_size", None)
+            if window is not None:
+                room = min(window - c.offset, room if room is not None else window)
+        return room
 
     @property
     def offset(self) -> int:

@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from tiny_models import tiny_llama
 
 from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter, PromptLookupDrafter, load_drafter
@@ -258,3 +258,83 @@ def test_adaptive_policy_carries_over_between_generations(target):
                             sampling=GREEDY, max_tokens=20, num_draft=6, stats=SpecStats(),
                             adaptive=True))
     assert drafter.draft_policy(6, True) is policy and policy.conditional != before
+
+
+# ---- Stop tokens and caches that cannot roll back ---------------------------------------------
+
+
+def test_stats_count_what_was_emitted_when_a_stop_token_ends_a_block(target):
+    """A block accepted past a stop token emits up to the stop token only, and so do the stats
+    (they used to count the whole block: tau 7.5 reported for a true 6.5)."""
+    prompt = [1, 2, 3]
+    plain, _, _, _ = run(target, Drafter(), prompt, max_tokens=30)
+    stop = 9  # the stop token falls inside the second block of the perfect drafter's drafts
+    stats = SpecStats()
+    out = [t for t, _ in speculative_tokens(
+        MLXTarget(target, speculative=True), DraftModelDrafter(target), prompt, sampling=GREEDY,
+        max_tokens=30, num_draft=6, stats=stats, stop_tokens={plain[stop]})]
+    first = plain.index(plain[stop])  # the stop token's first occurrence ends the generation
+    assert out == plain[: first + 1]
+    passes, drafted, accepted = perfect_drafter_stats(len(out), 6)
+    assert (stats.target_passes, stats.drafted, stats.accepted, stats.generated) == (
+        passes, drafted, accepted, len(out))
+    assert stats.accepted == sum(stats.accepted_per_position)
+    assert stats.drafted == sum(stats.drafted_per_position)
+
+
+def perfect_drafter_stats(emitted: int, k: int) -> tuple[int, int, int]:
+    """(passes, drafted, accepted) of a drafter always right at K = k whose generation a stop
+    token ended after `emitted` tokens: each pass commits k + 1, and a last pass that stopped
+    inside its drafts counts as the draft cut at the stop token."""
+    passes, last = -(-emitted // (k + 1)), (emitted - 1) % (k + 1) + 1
+    drafts = k * (passes - 1) + min(last, k)
+    return passes, drafts, drafts
+
+
+def test_stream_stats_exact_when_eos_comes_inside_an_accepted_block(target, smollm_dir):
+    """Through the API: the final response's tau and accepted count cover the emitted tokens
+    (EOS included, as one committed token), not the tokens the block held after it."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from mlx_lm.utils import load_tokenizer
+
+    import mlxspec
+
+    prompt = [4, 5, 6]
+    plain, _, _, _ = run(target, Drafter(), prompt, max_tokens=30)
+    eos = plain[9]
+    tokenizer = TokenizerWrapper(load_tokenizer(smollm_dir)._tokenizer, eos_token_ids={eos})
+    last = list(mlxspec.stream_generate(target, tokenizer, prompt, 30,
+                                        drafter=DraftModelDrafter(target), num_draft=6,
+                                        adaptive=False))[-1]
+    emitted = next(i for i, t in enumerate(plain) if t in tokenizer.eos_token_ids) + 1
+    assert emitted > 7  # past the first block
+    assert last.finish_reason == "stop" and last.generation_tokens == emitted - 1
+    passes, drafted, accepted = perfect_drafter_stats(emitted, 6)
+    assert (last.target_passes, last.drafted, last.accepted) == (passes, drafted, accepted)
+    assert last.tau == pytest.approx(emitted / passes)
+
+
+def rotating_cache(model, window):
+    return [RotatingKVCache(max_size=window) for _ in model.layers]
+
+
+def test_sliding_window_cache_is_lossless_and_drafts_stop_at_its_edge(target, small_draft):
+    """A RotatingKVCache rolls back only while a pass stays inside its window: a pass that
+    crossed it (drafts, then a rejection) corrupted the cache and changed the output. Past the
+    window, steps run plain, decided before the drafter is asked: a draft model fed drafts
+    that were then thrown away kept a cache out of step with its own record (87 vs 76)."""
+    prompt, n, window = [1, 2, 3, 4, 5], 30, 12
+    reference = []
+    cache = rotating_cache(target, window)
+    logits = target(mx.array(prompt)[None], cache=cache)
+    for _ in range(n):  # plain decoding, one token at a time, outside the loop
+        reference.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = target(mx.array([[reference[-1]]]), cache=cache)
+    for k in (1, 3, 6):
+        drafter, stats = DraftModelDrafter(small_draft), SpecStats()
+        spec_target = MLXTarget(target, speculative=True, cache=rotating_cache(target, window))
+        out = [t for t, _ in speculative_tokens(spec_target, drafter, prompt, sampling=GREEDY,
+                                                max_tokens=n, num_draft=k, stats=stats)]
+        assert out == reference, k
+        assert stats.plain_fallback_steps > 0 and stats.drafted > 0
+        assert drafter.cache[0].offset == len(drafter._seen)

@@ -1,7 +1,8 @@
 """Drafters: sources of draft tokens, all verified by the one loop in `mlxspec.engine`."""
 
-from ..engine import Drafter
+from ..engine import Drafter, PlainDecoding
 from ..loading import backend_of
+from ..mlx_backend import vocab_size
 from .draft_model import DraftModelDrafter, check_same_tokenizer
 from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
@@ -22,7 +23,7 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
     if kind == "none":
-        return Drafter()
+        return PlainDecoding()
     if kind == "lookup":
         return PromptLookupDrafter(**options)
     if kind.endswith("+lookup"):
@@ -67,13 +68,9 @@ def shipped_drafter_path(model):
     return find_shipped_drafter(sizes, lambda: float(weight[:8].float().sum().item()))
 
 
-def vocab_size(model) -> int:
-    return int(model.args.vocab_size)
-
-
 def resolve_drafter(drafter, *, model, tokenizer) -> Drafter:
     if drafter is None:
-        return Drafter()
+        return PlainDecoding()
     if isinstance(drafter, str):
         return load_drafter(drafter, model=model, tokenizer=tokenizer)
     if not isinstance(drafter, Drafter):

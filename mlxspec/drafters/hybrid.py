@@ -24,6 +24,8 @@ class LookupFirstDrafter(Drafter):
         self.name = f"{model_drafter.name}+lookup"
         self.capture_layers = model_drafter.capture_layers
         self.default_num_draft = max(model_drafter.default_num_draft, self.lookup.default_num_draft)
+        caps = (model_drafter.max_draft, self.lookup.max_draft)
+        self.max_draft = None if None in caps else max(caps)
         if hasattr(model_drafter, "backend"):  # the torch drafters say which backend they need
             self.backend = model_drafter.backend
         self._tokens: list[int] = []
@@ -59,6 +61,8 @@ class LookupFirstDrafter(Drafter):
 class PerSourceDraftLength:
     """Two adaptive-K policies, one per source; `copies()` says which source drafts next, so
     each policy chooses K for, and learns from, its own steps only."""
+
+    reads_tokens = True  # which source drafts next depends on the latest committed tokens
 
     def __init__(self, copies, max_k: int):
         self.copies = copies

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine import Draft, Verdict, common_prefix_length
+from ..engine import Draft, Pass, common_prefix_length
 from ..sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
 from .sampling import sample_token
@@ -111,6 +111,10 @@ def capture_layer_outputs(model, layer_ids):
             handle.remove()
 
 
+def _to_host(tensor: torch.Tensor) -> list:
+    return tensor.tolist()  # waits for the queued pass: the step's one host sync
+
+
 class TorchTarget:
     """Wraps a transformers causal LM and its KV cache for one generation."""
 
@@ -164,8 +168,9 @@ class TorchTarget:
         return torch.cat(features, dim=0)
 
     @torch.inference_mode()
-    def verify(self, pending: int, draft: Draft, sampling: SamplingConfig) -> Verdict:
-        """One forward pass over [pending, drafts]; acceptance; one host sync."""
+    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig) -> Pass:
+        """One forward pass over [pending, drafts] and its acceptance, queued on the device
+        (CUDA runs it asynchronously); nothing is read back until `Pass.verdict()`."""
         if isinstance(draft.tokens, list):
             drafts = host_tokens(draft.tokens, self.device)
         elif isinstance(draft.tokens, torch.Tensor):
@@ -176,7 +181,11 @@ class TorchTarget:
                 f"draft tokens are a {kind.__module__}.{kind.__name__}: this drafter was built for "
                 "another backend; load it with the torch target model"
             )
-        inputs = torch.cat([host_tokens([pending], self.device), drafts])
+        if isinstance(pending, Pass):
+            head = pending.next_token.reshape(1)
+        else:
+            head = host_tokens([pending], self.device)
+        inputs = torch.cat([head, drafts])
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
         if drafts.shape[0] == 0:
             accepted = torch.zeros((), dtype=torch.long, device=self.device)
@@ -186,21 +195,16 @@ class TorchTarget:
         else:
             probs = draft.probs.to(self.device) if draft.probs is not None else None
             accepted, next_token = accept_sampled(logits, drafts, probs, sampling)
-        packed = torch.cat([drafts, accepted.reshape(1), next_token.reshape(1).to(torch.long)])
-        host = packed.tolist()  # the step's one host sync
-        num_accepted = host[-2]
-        return Verdict(
-            draft_tokens=host[:-2],
-            accepted=num_accepted,
-            next_token=host[-1],
-            features=features[: num_accepted + 1] if features is not None else None,
-        )
+        next_token = next_token.reshape(()).to(torch.long)
+        packed = torch.cat([drafts, accepted.reshape(1), next_token.reshape(1)])
+        return Pass(num_draft=int(drafts.shape[0]), packed=packed, next_token=next_token,
+                    features=features, to_host=_to_host)
 
     def trim(self, n: int) -> None:
         crop(self.cache, n)
 
-    def can_trim(self) -> bool:
-        return can_crop(self.cache)
+    def rollback_room(self) -> int | None:
+        return None if can_crop(self.cache) else 0
 
     @property
     def offset(self) -> int:

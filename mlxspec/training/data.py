@@ -277,18 +277,16 @@ class SequenceStore:
 
 def greedy_response(model, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """The target's greedy continuation (end token included when reached), by the plain loop."""
-    from ..engine import Drafter, SpecStats, speculative_tokens
+    from ..engine import PlainDecoding, SpecStats, speculative_tokens
     from ..mlx_backend import MLXTarget
     from ..sampling import SamplingConfig
 
     out = []
     for token, _ in speculative_tokens(
-        MLXTarget(model), Drafter(), prompt_ids, sampling=SamplingConfig(),
-        max_tokens=max_new_tokens, num_draft=1, stats=SpecStats(),
+        MLXTarget(model), PlainDecoding(), prompt_ids, sampling=SamplingConfig(),
+        max_tokens=max_new_tokens, num_draft=1, stats=SpecStats(), stop_tokens=eos,
     ):
         out.append(token)
-        if token in eos:
-            break
     return out
 
 
