@@ -2,15 +2,15 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .engine import Drafter, SpecStats, speculative_tokens
+from .engine import Drafter, SpecStats, draft_limit, speculative_tokens
 from .loading import backend_of, check_backend
-from .mlx_backend import MLXTarget, PromptCache, context_length
-from .sampling import SamplingConfig
+from .mlx_backend import MLXTarget, PromptCache, context_length, vocab_size
+from .sampling import SamplingConfig, is_integer
 
 
 @dataclass
@@ -45,22 +45,35 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> l
         add_special = bos is None or not prompt.startswith(bos)
         return tokenizer.encode(prompt, add_special_tokens=add_special)
     if isinstance(prompt, mx.array):
-        return prompt.tolist()
+        prompt = prompt.tolist()
+    bad = next((t for t in prompt if not is_integer(t)), None)
+    if bad is not None:
+        raise TypeError(f"prompt token ids must be integers, got {bad!r} ({type(bad).__name__})")
     return [int(t) for t in prompt]
 
 
-def check_request(model, prompt_tokens: list[int], max_tokens: int) -> None:
-    """Reject requests that cannot succeed, before any compute."""
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """An integer option (max_tokens, num_draft) of the right type and size, before any work."""
+    if not is_integer(value):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_request(parts: "BackendParts", model, prompt_tokens: list[int], max_tokens: int) -> None:
+    """Reject requests that cannot succeed, before any compute: an out-of-vocabulary id would
+    read past the embedding table (a crash, or silent garbage)."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if backend_of(model) == "torch":
-        from .torch_backend import context_length as torch_context_length
-
-        limit = torch_context_length(model)
-    else:
-        limit = context_length(model)
+    check_count("max_tokens", max_tokens)
+    vocab = parts.vocab_size(model)
+    bad = next((t for t in prompt_tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(
+            f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens "
+            f"(valid ids: 0 to {vocab - 1})"
+        )
+    limit = parts.context_length(model)
     if limit is not None and len(prompt_tokens) + max_tokens > limit:
         raise ValueError(
             f"prompt ({len(prompt_tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
@@ -80,13 +93,31 @@ def resolve_backend(model, backend: str | None = None) -> str:
     return actual
 
 
-def _backend_parts(backend: str):
-    """(target class, prompt cache class, seed function, peak memory in GB of a model)."""
-    if backend == "torch":
-        from . import torch_backend as tb
+@dataclass(frozen=True)
+class BackendParts:
+    """What the API needs of a backend beyond the shared loop."""
 
-        return tb.TorchTarget, tb.TorchPromptCache, tb.seed, tb.peak_memory_gb
-    return MLXTarget, PromptCache, mx.random.seed, lambda model: mx.get_peak_memory() / 1e9
+    target: type
+    prompt_cache: type
+    seed: Callable[[int], None]
+    peak_memory_gb: Callable[[object], float]
+    context_length: Callable[[object], "int | None"]
+    vocab_size: Callable[[object], int]
+
+
+def _mlx_parts() -> BackendParts:
+    return BackendParts(MLXTarget, PromptCache, mx.random.seed,
+                        lambda model: mx.get_peak_memory() / 1e9, context_length, vocab_size)
+
+
+def _torch_parts() -> BackendParts:
+    from . import torch_backend as tb
+
+    return BackendParts(tb.TorchTarget, tb.TorchPromptCache, tb.seed, tb.peak_memory_gb,
+                        tb.context_length, tb.vocab_size)
+
+
+BACKEND_PARTS = {"mlx": _mlx_parts, "torch": _torch_parts}
 
 
 def _as_wrapper(tokenizer) -> TokenizerWrapper:
@@ -125,43 +156,49 @@ def stream_generate(
     from .drafters import resolve_drafter
 
     backend = resolve_backend(model, backend)
-    target_class, cache_class, seed_backend, peak_memory = _backend_parts(backend)
-    if prompt_cache is not None and not isinstance(prompt_cache, cache_class):
+    parts = BACKEND_PARTS[backend]()
+    if prompt_cache is not None and not isinstance(prompt_cache, parts.prompt_cache):
+        cache_class = parts.prompt_cache
         raise TypeError(
             f"a {type(prompt_cache).__name__} cannot hold a {backend} model's cache; use "
             f"{cache_class.__module__}.{cache_class.__name__}"
         )
     tokenizer = _as_wrapper(tokenizer)
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
-    num_draft = num_draft if num_draft is not None else drafter.default_num_draft
+    if num_draft is not None:
+        check_count("num_draft", num_draft)
     prompt_tokens = encode_prompt(tokenizer, prompt)
-    check_request(model, prompt_tokens, max_tokens)
+    check_request(parts, model, prompt_tokens, max_tokens)
+    drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
+    requested = num_draft or drafter.default_num_draft
+    # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
+    num_draft = draft_limit(drafter, requested)
     reuse = prompt_cache is not None and not drafter.capture_layers
-    target = target_class(
+    target = parts.target(
         model,
         capture_layers=drafter.capture_layers,
-        speculative=drafter.name != "none",
+        speculative=num_draft > 0,
         cache=prompt_cache.take(model, prompt_tokens) if reuse else None,
     )
     if seed is not None:
-        seed_backend(seed)
+        parts.seed(seed)
 
     stats = SpecStats()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    eos = set(tokenizer.eos_token_ids)
-    tokens = speculative_tokens(
+    eos = frozenset(tokenizer.eos_token_ids)
+    steps = speculative_tokens(
         target,
         drafter,
         prompt_tokens,
         sampling=sampling,
         max_tokens=max_tokens,
-        num_draft=num_draft,
+        num_draft=requested,
         stats=stats,
         adaptive=adaptive,
+        stop_tokens=eos,
     )
-
+    tokens = steps
     if backend == "torch":
         tokens = _blas_single_threaded(tokens)
 
@@ -175,7 +212,7 @@ def stream_generate(
             prompt_tps=prompt_tps,
             generation_tokens=n,
             generation_tps=n / elapsed if elapsed > 0 else 0.0,
-            peak_memory=peak_memory(model),
+            peak_memory=parts.peak_memory_gb(model),
             finish_reason=finish_reason,
             target_passes=stats.target_passes,
             drafted=stats.drafted,
@@ -186,7 +223,7 @@ def stream_generate(
             drafted_per_position=list(stats.drafted_per_position),
             accepted_per_position=list(stats.accepted_per_position),
             drafter=drafter.name,
-            num_draft=num_draft if drafter.name != "none" else 0,
+            num_draft=num_draft,
         )
 
     start = time.perf_counter()
@@ -211,6 +248,7 @@ def stream_generate(
         detokenizer.finalize()
         yield response(token, from_draft, n, finish_reason)
     finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
+        steps.close()  # the loop drops the drafts of a pass it had queued
         if reuse:
             prompt_cache.remember(prompt_tokens + output)
 

@@ -6,7 +6,9 @@ log-probabilities, temperature last). Plain decoding samples from the same q, so
 one meaning for every drafter.
 """
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -21,6 +23,15 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("temp", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):  # nan and inf pass every comparison below unnoticed
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        for name, value in (("top_k", self.top_k), ("seed", self.seed)):
+            if not is_integer(value) and not (name == "seed" and value is None):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
         if self.temp < 0:
             raise ValueError(f"temp must be >= 0, got {self.temp}")
         if not 0 < self.top_p <= 1:
@@ -33,6 +44,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temp == 0
+
+
+def is_integer(value) -> bool:
+    """An int or numpy integer, not a bool or a float that happens to be whole."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def processed_logprobs(logits: mx.array, sampling: SamplingConfig) -> mx.array:
