@@ -10,7 +10,7 @@ The same loop runs on torch (transformers models; CUDA when available), torch im
     text = mlxspec.generate(model, tokenizer, "Hello", max_tokens=64, drafter="lookup")
 """
 
-from ._blas import blas_in_use, preload_openblas
+from ._blas import SlowBlasWarning, blas_in_use, preload_openblas
 
 preload_openblas()  # before anything imports mlx.core
 
@@ -29,6 +29,7 @@ __all__ = [
     "GenerationResponse",
     "PromptCache",
     "SamplingConfig",
+    "SlowBlasWarning",
     "SpecStats",
     "Verdict",
     "blas_in_use",

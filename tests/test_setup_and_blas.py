@@ -1,5 +1,8 @@
-"""The wheel's shipped drafter."""
+"""The wheel's shipped drafter, and the warning when MLX is left on its slow bundled BLAS (mlx
+imported before mlxspec could load OpenBLAS)."""
 
+import ctypes.util
+import os
 import shutil
 import subprocess
 import sys
@@ -9,7 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BLAS_SOURCE = ROOT / "mlxspec" / "_blas.py"
 SOURCES = ("pyproject.toml", "README.md", "mlxspec", "models", "converters", "cli")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS only")
 
 
 def _copy_sources(dest: Path, extra=()) -> Path:
@@ -45,3 +50,67 @@ def test_wheel_ships_trained_drafter_without_build_warnings(tmp_path):
     assert {Path(n).name for n in expected} >= {
         "config.json", "target.json", "draft_vocab.json", "model.safetensors"}
     assert expected <= names
+
+
+# --- 13: a warning when mlx.core came first and MLX is left on its reference BLAS --------------
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter, every warning shown (a repeated one would show twice)."""
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                         text=True, env={**os.environ, **env}, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+MLX_FIRST = ("import mlx.core; import mlxspec; from mlxspec import _blas; _blas.preload_openblas();"
+             " print(mlxspec.blas_in_use())")
+OPENBLAS = ctypes.util.find_library("openblas") if sys.platform.startswith("linux") else None
+needs_openblas = pytest.mark.skipif(OPENBLAS is None, reason="needs Linux with OpenBLAS installed")
+
+
+@needs_openblas
+def test_mlx_imported_first_warns_once_naming_the_fix():
+    run = _python(MLX_FIRST)
+    assert run.stderr.count("SlowBlasWarning") == 1, run.stderr
+    assert "import mlxspec before mlx" in run.stderr.lower() and "LD_PRELOAD=" in run.stderr
+    assert "mlx.core was imported before mlxspec" in run.stdout
+
+
+@needs_openblas
+def test_mlxspec_first_loads_openblas_without_warning():
+    run = _python("import mlxspec; import mlx.core; print(mlxspec.blas_in_use())")
+    assert "Warning" not in run.stderr and run.stdout.startswith("OpenBLAS")
+
+
+@needs_openblas
+def test_openblas_preloaded_before_mlx_does_not_warn():
+    run = _python(MLX_FIRST, LD_PRELOAD=OPENBLAS)
+    assert "Warning" not in run.stderr
+    assert run.stdout.startswith("OpenBLAS") and "loaded before mlxspec" in run.stdout
+
+
+@linux_only
+def test_reference_blas_chosen_by_the_user_does_not_warn():
+    run = _python(MLX_FIRST, MLXSPEC_BLAS="reference")
+    assert "Warning" not in run.stderr and "MLXSPEC_BLAS=reference" in run.stdout
+
+
+@linux_only
+@pytest.mark.parametrize("mlx_first", [False, True])
+def test_openblas_not_installed_says_so_once(mlx_first):
+    """_blas.py loaded on its own, as on a machine without OpenBLAS (no candidate loads)."""
+    code = f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location("blas_alone", {str(BLAS_SOURCE)!r})
+blas = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(blas)
+blas._CANDIDATES = ("libopenblas-not-here.so.0",)
+blas._openblas_on_disk = lambda: None
+if {mlx_first}:
+    import mlx.core
+blas.preload_openblas(); print(blas.preload_openblas())
+"""
+    run = _python(code)
+    assert run.stderr.count("SlowBlasWarning") == 1, run.stderr
+    assert "OpenBLAS not found" in run.stderr and "imported before" not in run.stderr
+    assert "OpenBLAS not found" in run.stdout
