@@ -1,5 +1,5 @@
-"""The wheel's shipped drafter, and the warning when MLX is left on its slow bundled BLAS (mlx
-imported before mlxspec could load OpenBLAS)."""
+"""The set-up script's output, the wheel's shipped drafter, and the warning when MLX is left on
+its slow bundled BLAS (mlx imported before mlxspec could load OpenBLAS)."""
 
 import ctypes.util
 import os
@@ -50,6 +50,62 @@ def test_wheel_ships_trained_drafter_without_build_warnings(tmp_path):
     assert {Path(n).name for n in expected} >= {
         "config.json", "target.json", "draft_vocab.json", "model.safetensors"}
     assert expected <= names
+
+
+# --- 11: the set-up prints a short summary; a failing step still shows and fails --------------
+
+def _quietly(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run a command through setup.sh's own `quietly` helper."""
+    script = (ROOT / "scripts" / "setup.sh").read_text()
+    helper = script[script.index("quietly() {"):]
+    helper = helper[:helper.index("\n}\n") + 3]
+    return subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; step_log=step.log\n{helper}{command}\necho after"],
+        capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def test_setup_step_output_hidden_on_success_shown_on_failure(tmp_path):
+    ok = _quietly("quietly bash -c 'echo \"ERROR: resolver noise\"; echo WARNING >&2'", tmp_path)
+    assert ok.returncode == 0 and ok.stdout == "after\n" and ok.stderr == ""
+    failed = _quietly("quietly bash -c 'echo \"the real error\"; exit 3'", tmp_path)
+    assert failed.returncode == 1 and "after" not in failed.stdout
+    assert "the real error" in failed.stderr and "setup failed" in failed.stderr
+
+
+def test_setup_runs_every_pip_and_apt_step_quietly():
+    lines = (ROOT / "scripts" / "setup.sh").read_text().splitlines()
+    steps = [line.strip() for line in lines if line.strip().startswith(("pip ", "apt-get "))]
+    assert steps == [], f"steps whose output would reach the reader: {steps}"
+
+
+SUMMARY = ("venv:", "package:", "default model:", "prompt sets:", "BLAS:")
+
+
+@pytest.mark.slow
+def test_setup_fresh_and_rerun_print_only_the_summary(tmp_path):
+    """A fresh .venv, then a re-run after a dependency of the data-only packages went missing
+    (pip's resolver then lists their unmet dependencies: an "ERROR" a newcomer reads as failure)."""
+    repo = _copy_sources(tmp_path / "repo", extra=("scripts/setup.sh",))
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+
+    def setup():
+        run = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env,
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert run.stderr == ""
+        lines = [line for line in run.stdout.splitlines() if not line.startswith("installed ")]
+        assert [line.split(":")[0] + ":" for line in lines] == list(SUMMARY)
+        return run.stdout
+
+    try:
+        out = setup()
+        assert "mlxspec 0.1.0" in out and "HumanEval 164, MT-Bench 80" in out
+        pip = [str(repo / ".venv" / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "tqdm"]
+        subprocess.run(pip, check=True, capture_output=True)
+        setup()
+        assert "ERROR: pip's dependency resolver" in (repo / ".venv" / "setup.log").read_text()
+    finally:
+        shutil.rmtree(repo / ".venv", ignore_errors=True)  # ~1 GB
 
 
 # --- 13: a warning when mlx.core came first and MLX is left on its reference BLAS --------------
