@@ -142,6 +142,10 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     plain_fallback_steps: int = 0  # steps run without drafts: the cache could not roll them back
+    # Where the loop's time went: queuing passes (drafting, building and dispatching graphs) and
+    # waiting for their results; the rest is the loop's and its caller's own host work.
+    launch_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         self.target_passes += 1
@@ -264,6 +268,7 @@ def speculative_tokens(
     stats: SpecStats,
     adaptive: "bool | AdaptiveDraftLength" = False,
     stop_tokens: "set[int] | frozenset[int]" = frozenset(),
+    overlap: bool = True,
 ) -> Iterator[tuple[int, bool]]:
     """Yield (token, from_draft) until max_tokens are produced or a stop token is (yielded last).
 
@@ -273,6 +278,7 @@ def speculative_tokens(
     tokens go to the caller (its detokenising runs while the device computes), and a plain pass
     after a plain pass is queued before this one is even read, its pending token still on the
     device (as mlx-lm's generate_step). A pass queued in vain loses its drafts from the cache.
+    `overlap=False` queues each pass only when the caller asks for more (to measure the host).
     """
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
@@ -297,21 +303,26 @@ def speculative_tokens(
             stats.plain_fallback_steps += k <= 0 < wanted
         return max(k, 0)
 
-    def launch(k: int) -> Pass:
+    def launch(k: int, pending: "int | Pass | None" = None) -> Pass:
+        start = time.perf_counter()
         draft = drafter.propose(tokens, k, sampling) if k > 0 else EMPTY_DRAFT
-        return target.launch(tokens[-1], draft, sampling)
+        step = target.launch(tokens[-1] if pending is None else pending, draft, sampling)
+        stats.launch_seconds += time.perf_counter() - start
+        return step
 
     produced, clock = 0, time.perf_counter()
     step = launch(choose_k(0, len(tokens)))
     try:
         while True:
             k, queued = None, None
-            if not step.num_draft and k_ahead and produced + 1 < max_tokens:
+            if overlap and not step.num_draft and k_ahead and produced + 1 < max_tokens:
                 k = choose_k(produced + 1, len(tokens) + 1)
                 if k == 0:
-                    queued = target.launch(step, EMPTY_DRAFT, sampling)
+                    queued = launch(0, pending=step)
+            waited = time.perf_counter()
             verdict = step.verdict()
             step, now = queued, time.perf_counter()
+            stats.wait_seconds += now - waited
             target.trim(len(verdict.draft_tokens) - verdict.accepted)
             new = verdict.committed[: max_tokens - produced]
             stop = next((i for i, t in enumerate(new) if t in stop_tokens), None)
@@ -326,12 +337,14 @@ def speculative_tokens(
             if finished and step is not None:
                 target.trim(step.num_draft)  # queued in vain: its pending token is committed
                 step = None
-            elif not finished and step is None:
+            elif not finished and step is None and overlap:
                 step = launch(choose_k(produced, len(tokens)) if k is None else k)
             for i, token in enumerate(new):
                 yield token, i < verdict.accepted
             if finished:
                 return
+            if step is None:
+                step = launch(choose_k(produced, len(tokens)) if k is None else k)
     finally:  # the caller stopped early: drafts of a queued pass leave the cache
         if step is not None:
             target.trim(step.num_draft)

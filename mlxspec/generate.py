@@ -36,6 +36,10 @@ class GenerationResponse:
     accepted_per_position: list[int] = field(default_factory=list)
     drafter: str = "none"
     num_draft: int = 0
+    # Seconds the loop spent queuing passes (drafting, building and dispatching their graphs)
+    # and waiting for their results; the rest of the time was host work between them.
+    launch_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> list[int]:
@@ -140,6 +144,7 @@ def stream_generate(
     seed: int | None = None,
     prompt_cache: PromptCache | None = None,
     backend: str | None = None,
+    overlap: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Stream the continuation of `prompt` (a string or token ids, used as given).
 
@@ -152,6 +157,8 @@ def stream_generate(
     The backend follows the model: an mlx-lm model runs on MLX, a transformers model (from
     `mlxspec.load(..., backend="torch")`) on torch, with a `TorchPromptCache` for `prompt_cache`;
     `backend` ("mlx" or "torch") only checks that the model is of that kind.
+    `overlap=False` stops queuing the next pass while the current one's tokens are handled (the
+    output is the same; `mlxspec bench --overhead` uses it to measure the host's share).
     """
     from .drafters import resolve_drafter
 
@@ -197,6 +204,7 @@ def stream_generate(
         stats=stats,
         adaptive=adaptive,
         stop_tokens=eos,
+        overlap=overlap,
     )
     tokens = steps
     if backend == "torch":
@@ -224,6 +232,8 @@ def stream_generate(
             accepted_per_position=list(stats.accepted_per_position),
             drafter=drafter.name,
             num_draft=num_draft,
+            launch_seconds=stats.launch_seconds,
+            wait_seconds=stats.wait_seconds,
         )
 
     start = time.perf_counter()

@@ -68,14 +68,14 @@ def mlx_reference(model, prompt: list[int], make_cache) -> list[int]:
     return out
 
 
-def check_every_planting(make_target, prompt, reference, window=None):
+def check_every_planting(make_target, prompt, reference, window=None, overlaps=(True,)):
     full = prompt + reference
-    for k in KS:
+    for k, overlap in ((k, overlap) for k in KS for overlap in overlaps):
         for j in range(k + 1):
             stats = SpecStats()
             out = [t for t, _ in speculative_tokens(
                 make_target(), PlantedDrafter(full, j), prompt, sampling=SamplingConfig(),
-                max_tokens=N, num_draft=k, stats=stats)]
+                max_tokens=N, num_draft=k, stats=stats, overlap=overlap)]
             assert out == reference, (k, j)
             want = expected_stats(len(prompt), k, j, window)
             for field in ("target_passes", "drafted", "accepted", "generated",
@@ -86,7 +86,8 @@ def check_every_planting(make_target, prompt, reference, window=None):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_kv_cache(target, prompt):
     reference = mlx_reference(target, prompt, lambda: make_prompt_cache(target))
-    check_every_planting(lambda: MLXTarget(target, speculative=True), prompt, reference)
+    check_every_planting(lambda: MLXTarget(target, speculative=True), prompt, reference,
+                         overlaps=(True, False))  # passes queued ahead, or one at a time
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
