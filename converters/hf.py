@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
+from ..file_checks import check_safetensors
 from .atomic import atomic_output_dir, check_output_dir
 
 ALLOW_PATTERNS = [
@@ -128,6 +129,7 @@ def check_weights(path: Path) -> None:
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"No config.json in {path}.")
+    check_safetensors(safetensors)
 
 
 def config_fixes(config: Dict[str, Any]) -> Dict[str, Any]:

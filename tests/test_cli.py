@@ -525,6 +525,47 @@ def test_error_in_real_process_has_no_traceback():
     ]
 
 
+# ------------------------------------------- refused files, unwritable directories, missing extras
+
+
+@pytest.fixture(scope="module")
+def tiny_target(smollm_dir, tmp_path_factory):
+    """A 1-layer random llama with SmolLM2's tokenizer: a target that loads in a moment."""
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "target", smollm_dir, vocab_size=49152)
+
+
+@pytest.fixture(scope="module")
+def tiny_dflash(tmp_path_factory):
+    """A random 1-layer DFlash drafter that fits tiny_target."""
+    from test_dflash import drafter_config, random_weights, save_drafter
+
+    config = drafter_config(vocab=49152, hidden=64, target_layers=1, num_hidden_layers=1,
+                            layer_types=["full_attention"], target_layer_ids=[0], mask_token_id=0)
+    return save_drafter(tmp_path_factory.mktemp("tiny_dflash"), config, random_weights(config))
+
+
+def api_error(call, kind):
+    """The message the Python API raises for the same input, as the CLI prints it."""
+    with pytest.raises(kind) as err:
+        call()
+    return f"Error: {err.value}"
+
+
+def test_error_truncated_dflash_drafter(tmp_path, tiny_target, tiny_dflash):
+    drafter = shutil.copytree(tiny_dflash, tmp_path / "drafter")
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    needles = (f"corrupted safetensors file {weights}", "truncated", "download or convert it again")
+    line = assert_clean_error(
+        gen("--model", str(tiny_target), "--drafter", "dflash", "--drafter-model", str(drafter)),
+        *needles)
+    model, tokenizer = mlxspec.load(tiny_target)
+    assert line == api_error(lambda: mlxspec.load_drafter("dflash", drafter, model=model,
+                                                          tokenizer=tokenizer), ValueError)
+    assert_clean_error(invoke("convert", str(drafter), "-o", str(tmp_path / "out")), *needles)
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------------- train
 
 

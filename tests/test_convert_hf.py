@@ -4,6 +4,7 @@ sharded and from a hand-made Hub cache in offline mode."""
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -250,3 +251,13 @@ def test_source_kinds(tmp_path, tiny_hf):
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(ValueError):
         convert(tmp_path / "file.txt", tmp_path / "out")
+
+
+def test_truncated_safetensors_named(tiny_hf, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_hf, src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"corrupted safetensors file {weights}: .*truncated"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

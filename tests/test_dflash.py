@@ -24,6 +24,7 @@ from test_sampling_exactness import (
 )
 from tiny_models import tiny_llama
 
+from mlxspec.converters import convert
 from mlxspec.converters.dflash import convert_dflash, is_dflash_checkpoint
 from mlxspec.drafters.dflash import DFlashDrafter, head_rows, load_dflash_drafter
 from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
@@ -397,4 +398,23 @@ def test_uncached_repo_id_offline_is_a_clear_error(target, tmp_path, monkeypatch
         convert_dflash("z-lab/Qwen3-8B-DFlash-b16", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE"):
         load_dflash_drafter("z-lab/Qwen3-8B-DFlash-b16", model=target)
+    assert not (tmp_path / "out").exists()
+
+
+def truncate(file):
+    """Keep the first half of `file`, as an interrupted download or copy leaves it."""
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def test_truncated_weights_refused_naming_the_file(target, tmp_path):
+    path = make_drafter_dir(tmp_path / "drafter")
+    truncate(path / "model.safetensors")
+    expected = (f"corrupted safetensors file {path / 'model.safetensors'}: size "
+                f"{(path / 'model.safetensors').stat().st_size} bytes does not match its header "
+                "(truncated or corrupted); download or convert it again")
+    for call in (lambda: load_dflash_drafter(path, model=target),
+                 lambda: convert(path, tmp_path / "out")):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == expected
     assert not (tmp_path / "out").exists()

@@ -253,6 +253,17 @@ def test_draft_vocab_drafts_match(tiny_target, tmp_path):
     assert set(drafts) <= {0, 2, 3, 5, 8, 10}
 
 
+def test_truncated_dflash_drafter_refused_naming_the_file(tiny_target, tmp_path):
+    """The torch drafter loader runs the same safetensors check as the MLX one."""
+    from test_dflash import make_drafter_dir, truncate
+
+    twin = torch_twin(tiny_target, tmp_path / "twin")
+    path = make_drafter_dir(tmp_path / "dflash")
+    weights = path / "model.safetensors"
+    truncate(weights)
+    with pytest.raises(ValueError, match=f"corrupted safetensors file {weights}: .*truncated"):
+        mlxspec.load_drafter("dflash", path, model=twin, tokenizer=None)
+
 # ---- Training on torch: the same run as on MLX ---------------------------------------------
 
 TRAIN_PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 3], [5, 9, 11, 5], [3, 8, 1], [2, 4, 6, 8], [10, 1, 10]]

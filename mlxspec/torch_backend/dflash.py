@@ -18,6 +18,7 @@ from torch import nn
 
 from ..drafters.dflash import check_against_target, check_block_size
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
+from ..file_checks import check_safetensors
 from ..models.dflash import DFlashConfig, read_config, read_draft_vocab
 from ..sampling import SamplingConfig
 from .target import decoder_layers, host_tokens, model_device
@@ -365,6 +366,7 @@ def read_weights(path: Path, device) -> dict[str, torch.Tensor]:
         pickled = [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth")]
         hint = f" (found {', '.join(pickled)}: pickle checkpoints never load)" if pickled else ""
         raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    check_safetensors(files)
     weights = {}
     for f in files:
         weights.update(load_file(str(f), device=str(device)))

@@ -1,0 +1,59 @@
+"""Checks on user-supplied files before a library parses them.
+
+MLX's and torch's safetensors readers fail on a truncated file with messages that name
+no file ("[load_safetensors] ... invalid data offsets"); this raises ValueError naming
+the file, what is wrong and what to do, so the CLI can print it as one line.
+"""
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Check a safetensors header against itself and the file size, without reading tensors."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "shorter than a safetensors header"
+        header_len = int.from_bytes(head, "little")
+        if header_len > min(size - 8, 100_000_000):
+            return "header length is larger than the file"
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "header is not valid JSON"
+    if not isinstance(header, dict):
+        return "header is not a JSON object"
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = info["data_offsets"]
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            nbytes = count * _DTYPE_BYTES[info["dtype"]]
+        except (TypeError, KeyError, ValueError):
+            return f"header entry for {name!r} is not a tensor record"
+        if stop - start != nbytes:
+            return f"tensor {name!r} spans {stop - start} bytes but its shape needs {nbytes}"
+        end = max(end, stop)
+    if 8 + header_len + end != size:
+        return f"size {size} bytes does not match its header (truncated or corrupted)"
+    return None
+
+
+def check_safetensors(files: Iterable[Path]) -> None:
+    """ValueError for the first truncated or corrupted file, before MLX or torch reads it."""
+    for path in files:
+        problem = safetensors_problem(path)
+        if problem:
+            raise ValueError(
+                f"corrupted safetensors file {path}: {problem}; download or convert it again"
+            )
