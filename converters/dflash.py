@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..file_checks import read_json_object
 from ..models.dflash import (
     ARCHITECTURE,
     DRAFT_VOCAB_FILE,
@@ -28,14 +29,15 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 
 
 def is_dflash_checkpoint(path: str | Path) -> bool:
-    """True for a directory whose config.json names DFlashDraftModel or has a dflash_config."""
+    """True for a directory whose config.json names DFlashDraftModel or has a dflash_config.
+
+    A config.json that is not a JSON object raises ValueError naming it: no converter could
+    read it, and guessing "not DFlash" would only move the error somewhere vaguer.
+    """
     config_path = Path(path).expanduser() / "config.json"
     if not config_path.is_file():
         return False
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
+    config = read_json_object(config_path)
     return ARCHITECTURE in (config.get("architectures") or []) or "dflash_config" in config
 
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
-from ..file_checks import check_safetensors
+from ..file_checks import check_safetensors, read_json_object
 from .atomic import atomic_output_dir, check_output_dir
 
 ALLOW_PATTERNS = [
@@ -129,6 +129,7 @@ def check_weights(path: Path) -> None:
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"No config.json in {path}.")
+    read_json_object(path / "config.json")  # mlx-lm's JSON errors name no file
     check_safetensors(safetensors)
 
 

@@ -1,13 +1,39 @@
 """Checks on user-supplied files before a library parses them.
 
-MLX's and torch's safetensors readers fail on a truncated file with messages that name
-no file ("[load_safetensors] ... invalid data offsets"); this raises ValueError naming
+json and MLX's safetensors reader fail with messages that name no file ("Expecting property name
+... line 2 column 1", "[load_safetensors] invalid data offsets"); these raise ValueError naming
 the file, what is wrong and what to do, so the CLI can print it as one line.
 """
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
+
+_FIX = "fix or replace the file"
+
+
+def read_json(path: str | Path) -> Any:
+    """The parsed JSON of `path`; ValueError naming the file when it is not JSON text."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path} is not valid JSON (line {err.lineno} column {err.colno}: {err.msg}): {_FIX}"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason}): {_FIX}") from None
+
+
+def read_json_object(path: str | Path) -> dict:
+    """read_json for files that must hold one JSON object, such as config.json."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(data).__name__}, not an object ({{...}}): {_FIX}"
+        )
+    return data
+
 
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
                 "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}

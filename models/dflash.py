@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..file_checks import check_safetensors
+from ..file_checks import check_safetensors, read_json, read_json_object
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -292,7 +292,7 @@ def read_config(path: Path) -> dict:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} has no config.json; it is not a DFlash checkpoint")
-    return json.loads(config_path.read_text())
+    return read_json_object(config_path)
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -309,9 +309,10 @@ def read_draft_vocab(path: Path, vocab_size: int) -> list[int] | None:
     file = Path(path) / DRAFT_VOCAB_FILE
     if not file.is_file():
         return None
+    data = read_json(file)
     try:
-        ids = json.loads(file.read_text())["token_ids"]
-    except (ValueError, KeyError, TypeError) as err:
+        ids = data["token_ids"]
+    except (KeyError, TypeError) as err:
         raise ValueError(
             f'{file} is not a draft vocabulary ({{"token_ids": [...]}}): {err}'
         ) from None

@@ -566,6 +566,51 @@ def test_error_truncated_dflash_drafter(tmp_path, tiny_target, tiny_dflash):
     assert not (tmp_path / "out").exists()
 
 
+BAD_CONFIGS = {
+    "not-json": ('{\n"model_type": "llama",\n}',
+                 "is not valid JSON (line 3 column 1: Expecting property name enclosed in double "
+                 "quotes)"),
+    "not-an-object": ('["llama"]', "holds a JSON list, not an object ({...})"),
+}
+
+
+@pytest.mark.parametrize("content,problem", BAD_CONFIGS.values(), ids=BAD_CONFIGS)
+@pytest.mark.parametrize("where", ["target", "draft-model", "dflash-drafter", "convert"])
+def test_error_corrupt_config_json(tmp_path, tiny_target, tiny_dflash, where, content, problem):
+    from mlxspec.converters import convert as convert_api
+
+    broken = shutil.copytree(tiny_dflash if where == "dflash-drafter" else tiny_target,
+                             tmp_path / "broken")
+    (broken / "config.json").write_text(content)
+    out = tmp_path / "out"
+    if where == "convert":
+        result = invoke("convert", str(broken), "-o", str(out))
+        call = lambda: convert_api(broken, out)  # noqa: E731
+    elif where == "target":
+        result = gen("--model", str(broken))
+        call = lambda: mlxspec.load(broken)  # noqa: E731
+    else:
+        kind, option = ("draft", "--draft-model") if where == "draft-model" else (
+            "dflash", "--drafter-model")
+        result = gen("--model", str(tiny_target), "--drafter", kind, option, str(broken))
+        model, tokenizer = mlxspec.load(tiny_target)
+        call = lambda: mlxspec.load_drafter(kind, broken, model=model,  # noqa: E731
+                                            tokenizer=tokenizer)
+    line = assert_clean_error(result)
+    assert line == f"Error: {broken / 'config.json'} {problem}: fix or replace the file"
+    assert line == api_error(call, ValueError)
+    assert not out.exists()
+
+
+def test_error_corrupt_generation_config_json(tmp_path, tiny_target):
+    """mlx-lm's loader also reads generation_config.json; it is checked with config.json."""
+    broken = shutil.copytree(tiny_target, tmp_path / "broken")
+    (broken / "generation_config.json").write_text('{"eos_token_id": [2,]}')
+    line = assert_clean_error(gen("--model", str(broken)))
+    assert line == (f"Error: {broken / 'generation_config.json'} is not valid JSON (line 1 column "
+                    "21: Expecting value): fix or replace the file")
+
+
 # ----------------------------------------------------------------------------------- train
 
 

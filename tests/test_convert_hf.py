@@ -253,6 +253,26 @@ def test_source_kinds(tmp_path, tiny_hf):
         convert(tmp_path / "file.txt", tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        ('{\n"model_type": "llama",\n}',
+         "is not valid JSON (line 3 column 1: Expecting property name enclosed in double quotes)"),
+        ("[]", "holds a JSON list, not an object ({...})"),
+    ],
+    ids=["not-json", "not-an-object"],
+)
+def test_corrupt_config_json_named(tiny_hf, tmp_path, content, problem):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_hf, src)
+    (src / "config.json").write_text(content)
+    for call in (convert, convert_hf):
+        with pytest.raises(ValueError) as err:
+            call(src, tmp_path / "out")
+        assert str(err.value) == f"{src / 'config.json'} {problem}: fix or replace the file"
+    assert not (tmp_path / "out").exists()
+
+
 def test_truncated_safetensors_named(tiny_hf, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tiny_hf, src)

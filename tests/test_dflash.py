@@ -265,7 +265,7 @@ def test_head_rows_compute_the_heads_logits_for_those_tokens(kind):
     [
         ('{"ids": [1, 2]}', "is not a draft vocabulary"),
         ("[1, 2]", "is not a draft vocabulary"),
-        ("not json", "is not a draft vocabulary"),
+        ("not json", r"is not valid JSON \(line 1 column 1: Expecting value\)"),
         ('{"token_ids": []}', "non-empty list of integers"),
         ('{"token_ids": [1, 2.0]}', "non-empty list of integers"),
         ('{"token_ids": [1, 12]}', "outside the vocabulary of 12"),
@@ -414,6 +414,28 @@ def test_truncated_weights_refused_naming_the_file(target, tmp_path):
                 "(truncated or corrupted); download or convert it again")
     for call in (lambda: load_dflash_drafter(path, model=target),
                  lambda: convert(path, tmp_path / "out")):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == expected
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        ('{\n"architectures": ["DFlashDraftModel"],\n}',
+         "is not valid JSON (line 3 column 1: Expecting property name enclosed in double quotes)"),
+        ('["DFlashDraftModel"]', "holds a JSON list, not an object ({...})"),
+    ],
+    ids=["not-json", "not-an-object"],
+)
+def test_corrupt_config_json_refused_naming_the_file(target, tmp_path, content, problem):
+    path = make_drafter_dir(tmp_path / "drafter")
+    (path / "config.json").write_text(content)
+    expected = f"{path / 'config.json'} {problem}: fix or replace the file"
+    for call in (lambda: load_dflash_drafter(path, model=target),
+                 lambda: convert(path, tmp_path / "out"),
+                 lambda: convert_dflash(path, tmp_path / "out")):
         with pytest.raises(ValueError) as err:
             call()
         assert str(err.value) == expected

@@ -1,9 +1,10 @@
 """Load a converted model directory with transformers, on a chosen device and dtype."""
 
-import json
 from pathlib import Path
 
 import torch
+
+from ..file_checks import read_json_object
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -52,7 +53,7 @@ def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype)
     """A transformers causal LM from a converted (dense, HF-named) directory, for inference."""
     from transformers import AutoModelForCausalLM
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_json_object(Path(model_dir) / "config.json")
     if config.get("quantization") or config.get("quantization_config"):
         raise ValueError(
             f"{model_dir} holds MLX-quantized weights, which the torch backend cannot read; "
@@ -73,5 +74,5 @@ def load(model_dir: Path, *, device=None, dtype=None):
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     model = load_causal_lm(model_dir, device=device, dtype=dtype)
-    eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
+    eos = read_json_object(Path(model_dir) / "config.json").get("eos_token_id")
     return model, load_tokenizer(Path(model_dir), eos_token_ids=eos)
