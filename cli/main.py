@@ -20,6 +20,12 @@ def _fail(err: Exception):
     raise click.ClickException(str(err)) from None
 
 
+def _user_errors() -> tuple:
+    """What bad input files or the disk (full, read-only) raise while loading or converting:
+    one line each from the CLI. OSError covers permissions and disk space."""
+    return (ValueError, OSError)
+
+
 def model_options(f):
     f = click.option("--device", default=None,
                      help="torch device for --backend torch (default: cuda when available, "
@@ -110,7 +116,7 @@ def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None, back
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer,
                                     **options)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except _user_errors() as err:
         _fail(err)
     if verbose:
         click.echo(_backend_line(target), err=True)
@@ -265,7 +271,7 @@ def convert(source, out_dir, dtype, quantize, q_bits, q_group_size, overwrite):
     try:
         out = convert_any(source, out_dir, dtype=dtype, quantize=quantize, q_bits=q_bits,
                           q_group_size=q_group_size, overwrite=overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except _user_errors() as err:
         _fail(err)
     click.echo(f"Wrote {out}")
 
@@ -371,7 +377,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
         if with_mlx_lm:
             lm_draft = by_kind["draft"].model if "draft" in by_kind else (
                 mlxspec.load(draft_model, dtype=dtype)[0] if draft_model else None)
-    except (ValueError, FileNotFoundError) as err:
+    except _user_errors() as err:
         _fail(err)
     click.echo(_backend_line(target), err=True)
     report = run_benchmark(

@@ -6,11 +6,11 @@ file goes through :func:`convert_gguf`, a directory or Hub repo id through
 appears complete or not at all.
 """
 
-import tempfile
+import shutil
 from pathlib import Path
 from typing import Optional, Union
 
-from .atomic import atomic_output_dir, check_output_dir
+from .atomic import OUTPUT_FIX, atomic_output_dir, check_output_dir, temp_dir_in
 from .dflash import convert_dflash, is_dflash_checkpoint
 from .gguf import convert_gguf
 from .hf import convert_hf, looks_like_repo_id, resolve_hf_source
@@ -83,10 +83,12 @@ def convert(
     # Requantizing a GGUF: dequantize into a hidden scratch directory next to
     # out_dir, then quantize that like any safetensors checkpoint.
     out_dir = check_output_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.dense-", dir=out_dir.parent) as tmp:
-        dense = convert_gguf(source, Path(tmp) / "dense", dtype=dtype, **options)
+    tmp = temp_dir_in(out_dir.parent, f".{out_dir.name}.dense-", OUTPUT_FIX)
+    try:
+        dense = convert_gguf(source, tmp / "dense", dtype=dtype, **options)
         return convert_hf(
             dense, out_dir, quantize=True, q_bits=q_bits, q_group_size=q_group_size,
             overwrite=overwrite,
         )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -7,11 +7,16 @@ up.
 """
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator, Union
+
+OUTPUT_FIX = "choose another output directory (-o)"
+# MLX's writers raise RuntimeError, not OSError, when a file cannot be opened or written.
+_MLX_WRITE_ERRORS = ("[write] ", "[save] Failed to open", "[save_safetensors] Failed to open")
 
 
 def check_output_dir(out_dir: Union[str, Path], overwrite: bool = False) -> Path:
@@ -35,17 +40,52 @@ def atomic_output_dir(
 
     The temporary directory lives next to ``out_dir`` (same filesystem, so the
     final rename is atomic) under a hidden name, ``.{name}.partial-XXXX``. On
-    any exception, including ``KeyboardInterrupt``, it is removed.
+    any exception, including ``KeyboardInterrupt``, it is removed. A directory
+    that cannot be written and a disk that fills up raise an OSError naming
+    the directory and what to do, not a bare errno.
     """
     out_dir = check_output_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    tmp = temp_dir_in(out_dir.parent, f".{out_dir.name}.partial-", OUTPUT_FIX)
     try:
         yield tmp
         _publish(tmp, out_dir, overwrite)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):
+            raise (type(err) if isinstance(err, OSError) else OSError)(
+                f"writing {out_dir} failed ({err}): check the free space in {out_dir.parent} or "
+                "write elsewhere (-o; MLXSPEC_CACHE for the model cache)"
+            ) from err
         raise
+
+
+def temp_dir_in(directory: Path, prefix: str, fix: str) -> Path:
+    """mkdtemp in `directory` (created if missing); an OSError naming it and `fix` if it fails.
+
+    A read-only or full disk, a file where a directory should be, or missing permissions would
+    otherwise surface as a bare errno from deep inside a conversion.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
+    except OSError as err:
+        raise _unwritable_dir_error(directory, err, fix) from err
+
+
+def _unwritable_dir_error(directory: Path, err: OSError, fix: str) -> OSError:
+    """The same kind of OSError as `err`, saying which directory cannot be written and `fix`."""
+    blocker = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        return NotADirectoryError(f"cannot write into {directory} ({blocker} is a file): {fix}")
+    reason = err.strerror or str(err)
+    return type(err)(f"cannot write into {directory} ({reason}): {fix}")
+
+
+def _disk_full(err: BaseException) -> bool:
+    """A write that failed for want of space (OSError), or any failed MLX write (RuntimeError)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, RuntimeError) and str(err).startswith(_MLX_WRITE_ERRORS)
 
 
 def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:

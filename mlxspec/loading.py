@@ -98,9 +98,15 @@ def _converted_once(source, name: str, dtype: str) -> Path:
     out = cache_dir() / "models" / name
     if not out.is_dir():
         from .converters import convert
+        from .converters.atomic import temp_dir_in
 
+        # A read-only cache fails here, with its fix, before any conversion work.
+        os.rmdir(temp_dir_in(out.parent, ".write-test-", CACHE_FIX))
         convert(source, out, dtype=dtype)
     return out
+
+
+CACHE_FIX = "set MLXSPEC_CACHE to a writable directory"
 
 
 BACKENDS = ("mlx", "torch")

@@ -4,6 +4,7 @@ Most calls go through click's CliRunner (in-process, one model load each); a few
 console script as a subprocess, to prove the entry point works and to deliver a real SIGINT.
 """
 
+import errno
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -609,6 +611,77 @@ def test_error_corrupt_generation_config_json(tmp_path, tiny_target):
     line = assert_clean_error(gen("--model", str(broken)))
     assert line == (f"Error: {broken / 'generation_config.json'} is not valid JSON (line 1 column "
                     "21: Expecting value): fix or replace the file")
+
+def deny_mkdtemp(monkeypatch):
+    """What a read-only directory does to a non-root user; root writes anywhere, so a chmod
+    cannot produce it where the tests run as root."""
+
+    def mkdtemp(suffix=None, prefix=None, dir=None):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+
+
+CACHE_FIX = "set MLXSPEC_CACHE to a writable directory"
+
+
+@pytest.mark.parametrize("model", ["default", "gguf"])
+def test_error_cache_is_a_file(tmp_path, monkeypatch, model):
+    """A model that must be converted into the cache first, with MLXSPEC_CACHE naming a file."""
+    cache = tmp_path / "cache"
+    cache.write_text("")
+    monkeypatch.setenv("MLXSPEC_CACHE", str(cache))
+    path = None if model == "default" else default_gguf_path()
+    line = assert_clean_error(gen() if path is None else gen("--model", str(path)))
+    assert line == f"Error: cannot write into {cache / 'models'} ({cache} is a file): {CACHE_FIX}"
+    assert line == api_error(lambda: mlxspec.load(path), NotADirectoryError)
+
+
+def test_error_cache_permission_denied(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    deny_mkdtemp(monkeypatch)
+    line = assert_clean_error(gen())
+    models = tmp_path / "cache" / "models"
+    assert line == f"Error: cannot write into {models} (Permission denied): {CACHE_FIX}"
+    assert line == api_error(lambda: mlxspec.load(), PermissionError)
+    assert os.listdir(models) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_error_cache_read_only(tmp_path, monkeypatch):
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    (tmp_path / "cache" / "models").chmod(0o555)
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    assert_clean_error(gen(), f"cannot write into {tmp_path / 'cache' / 'models'}", CACHE_FIX)
+
+
+def test_error_convert_output_under_a_file(tmp_path, tiny_dflash):
+    (tmp_path / "notes").write_text("")
+    r = invoke("convert", str(tiny_dflash), "-o", str(tmp_path / "notes" / "out"))
+    line = assert_clean_error(r)
+    assert line == (f"Error: cannot write into {tmp_path / 'notes'} ({tmp_path / 'notes'} is a "
+                    "file): choose another output directory (-o)")
+
+
+def test_error_convert_output_permission_denied(tmp_path, monkeypatch, tiny_dflash):
+    deny_mkdtemp(monkeypatch)
+    line = assert_clean_error(invoke("convert", str(tiny_dflash), "-o", str(tmp_path / "out")))
+    assert line == (f"Error: cannot write into {tmp_path} (Permission denied): choose another "
+                    "output directory (-o)")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_error_convert_output_read_only(tmp_path, tiny_dflash):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    r = invoke("convert", str(tiny_dflash), "-o", str(tmp_path / "ro" / "out"))
+    assert_clean_error(r, f"cannot write into {tmp_path / 'ro'}", "(-o)")
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux sysfs")
+def test_error_convert_output_on_sysfs(tiny_dflash):
+    """sysfs refuses new directories even to root: a real write failure wherever tests run."""
+    r = invoke("convert", str(tiny_dflash), "-o", "/sys/kernel/mlxspec-test-out")
+    assert_clean_error(r, "cannot write into /sys/kernel (", "choose another output directory")
 
 
 # ----------------------------------------------------------------------------------- train
