@@ -21,9 +21,11 @@ def _fail(err: Exception):
 
 
 def _user_errors() -> tuple:
-    """What bad input files or the disk (full, read-only) raise while loading or converting:
-    one line each from the CLI. OSError covers permissions and disk space."""
-    return (ValueError, OSError)
+    """What bad input files, a missing extra or the disk (full, read-only) raise while loading or
+    converting: one line each from the CLI. OSError covers permissions and disk space."""
+    from mlxspec.loading import MissingExtraError
+
+    return (ValueError, OSError, MissingExtraError)
 
 
 def model_options(f):

@@ -118,6 +118,25 @@ def backend_of(model) -> str:
     return "torch" if torch is not None and isinstance(model, torch.nn.Module) else "mlx"
 
 
+class MissingExtraError(ModuleNotFoundError):
+    """An optional dependency is not installed; the message says which extra installs it."""
+
+
+def require_torch() -> None:
+    """The torch backend needs the `torch` extra: say so before any model work, not mid-load."""
+    for name in ("torch", "transformers"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a broken install, or a finder that refuses it
+            found = False
+        if not found:
+            raise MissingExtraError(
+                f"the torch backend needs {name}, which is not installed: "
+                "pip install 'mlxspec[torch]'",
+                name=name,
+            )
+
+
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -144,6 +163,7 @@ def load(
     if backend == "mlx" and (device is not None or torch_dtype is not None):
         raise ValueError("device and torch_dtype apply to the torch backend only (backend='torch')")
     if backend == "torch":
+        require_torch()
         from . import torch_backend
 
         device = torch_backend.resolve_device(device)  # a missing CUDA fails before any work

@@ -683,6 +683,41 @@ def test_error_convert_output_on_sysfs(tiny_dflash):
     r = invoke("convert", str(tiny_dflash), "-o", "/sys/kernel/mlxspec-test-out")
     assert_clean_error(r, "cannot write into /sys/kernel (", "choose another output directory")
 
+HIDE_TORCH = """
+import sys
+sys.modules["torch"] = None  # as if not installed: imports fail, find_spec finds nothing
+
+import mlxspec.loading
+
+def no_model_work(*args, **kwargs):
+    raise SystemExit("model work started before the torch check")
+
+mlxspec.loading.resolve_model_dir = no_model_work
+try:
+    mlxspec.load(backend="torch")
+except ImportError as err:
+    print(f"API: {type(err).__name__}: {err}")
+from mlxspec.cli.main import main
+main(sys.argv[1:], prog_name="mlxspec")
+"""
+
+
+@pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["chat"], ["bench"]],
+                         ids=lambda c: c[0])
+def test_error_backend_torch_without_torch(tmp_path, command):
+    """torch hidden in a subprocess (it is installed here): both the API and the CLI refuse
+    --backend torch with the install command before they resolve, convert or load a model."""
+    env = {**os.environ, "MLXSPEC_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", HIDE_TORCH, *command, "--backend", "torch"],
+                          capture_output=True, text=True, timeout=120, env=env,
+                          stdin=subprocess.DEVNULL)
+    message = "the torch backend needs torch, which is not installed: pip install 'mlxspec[torch]'"
+    assert proc.stdout.splitlines()[0] == f"API: MissingExtraError: {message}"
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"Error: {message}"]
+    assert not (tmp_path / "cache").exists()
+
+
 
 # ----------------------------------------------------------------------------------- train
 
