@@ -79,7 +79,15 @@ def decoding_options(f):
 
 
 def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None,
-                    draft_vocab=True):
+                    draft_vocab=True, **sampling):
+    """Every decoding option checked before a model loads (chat: before the REPL starts)."""
+    from mlxspec.sampling import SamplingConfig
+
+    try:
+        SamplingConfig(**sampling)
+    except ValueError as err:
+        name = str(err).split()[0]
+        raise click.BadParameter(str(err), param_hint=f"--{name.replace('_', '-')}") from None
     if num_draft is not None and num_draft < 1:
         raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
     kind = _model_kind(drafter)
@@ -165,7 +173,8 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab)
+    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab,
+                    temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
     target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose, block_size,
                                         backend, device, draft_vocab)
@@ -196,7 +205,8 @@ def chat(model, dtype, backend, device, drafter, draft_model, block_size, draft_
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
 
-    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab)
+    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab,
+                    temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
     target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, False, block_size,
                                         backend, device, draft_vocab)
@@ -327,12 +337,19 @@ def _csv(kind):
               help="Also write the results table as Markdown.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Also plot speedup and tau per suite (PNG; needs matplotlib).")
+@click.option("--overhead", is_flag=True,
+              help="Measure the loop's own cost instead: per drafter, ms/token and where a step's "
+                   "time goes (waiting for the device vs host work) on a tiny random target (2 "
+                   "layers, hidden 64, the model's tokenizer), passes queued ahead and one at a "
+                   "time, against mlx-lm's plain decoding. Greedy; drafters default to "
+                   "none,lookup,draft@4,dflash@15.")
 def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, draft_vocab, suites,
           temps, max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft,
-          with_llama_cpp, llama_cpp_gguf, llama_cpp_num_draft, comparisons, out, markdown, plot):
+          with_llama_cpp, llama_cpp_gguf, llama_cpp_num_draft, comparisons, out, markdown, plot,
+          overhead):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
-    from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark, save_report
+    from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark
     from mlxspec.loading import gguf_file
 
     if plot:
@@ -360,6 +377,11 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
     if bad:
         raise click.BadParameter(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}",
                                  param_hint="--suite")
+    for temp in temps:
+        _check_decoding(None, "none", None, max_tokens, temp=temp)
+    if overhead:
+        return _bench_overhead(model, dtype, backend, drafters, suites, temps, max_tokens, limit,
+                               out, markdown, plot)
     if "draft" in {_model_kind(k) for k in kinds} and not draft_model:
         raise click.BadParameter("the draft drafter needs --draft-model", param_hint="--draft-model")
     _check_backend(backend, device)
@@ -395,7 +417,15 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
     report["settings"]["backend"] = backend
     if backend == "torch":
         report["settings"]["device"] = _backend_line(target)
-    table = markdown_table(report)
+    from mlxspec.bench import plot_report
+
+    _emit_report(report, markdown_table(report), out, markdown, plot, plot_report)
+
+
+def _emit_report(report, table, out, markdown, plot, plotter):
+    """Print the table; write the JSON, Markdown and plot asked for."""
+    from mlxspec.bench import save_report
+
     click.echo(table)
     if out:
         save_report(report, out)
@@ -403,9 +433,32 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
         with open(markdown, "w") as f:
             f.write(table + "\n")
     if plot:
-        from mlxspec.bench import plot_report
+        plotter(report, plot)
 
-        plot_report(report, plot)
+
+def _bench_overhead(model, dtype, backend, drafters, suites, temps, max_tokens, limit, out,
+                    markdown, plot):
+    """`bench --overhead`: the tiny target needs only the model's tokenizer."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxspec.loading import resolve_model_dir
+    from mlxspec.overhead import OVERHEAD_DRAFTERS, overhead_table, plot_overhead, run_overhead
+
+    if backend != "mlx":
+        raise click.BadParameter("measures the MLX loop", param_hint="--overhead")
+    if any(t != 0 for t in temps):
+        raise click.BadParameter("--overhead runs greedy (--temp 0)", param_hint="--temp")
+    source = click.get_current_context().get_parameter_source("drafters")
+    if source == click.core.ParameterSource.DEFAULT:
+        drafters = list(OVERHEAD_DRAFTERS)
+    try:
+        tokenizer = load_tokenizer(resolve_model_dir(model, dtype=dtype))
+        report = run_overhead(tokenizer, drafters=drafters, suites=suites, limit=limit,
+                              max_tokens=max_tokens, progress=lambda s: click.echo(s, err=True))
+    except _user_errors() as err:
+        _fail(err)
+    click.echo(f"BLAS: {report['machine']['blas']}", err=True)
+    _emit_report(report, overhead_table(report), out, markdown, plot, plot_overhead)
 
 
 from mlxspec.cli.train import train  # noqa: E402  (after OpenBLAS is loaded above)

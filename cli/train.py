@@ -105,7 +105,7 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
            device, generate_batch_size, eval_every, eval_max_tokens, eval_prompts, save_every, seed,
            dtype):
     """Train a DFlash drafter for TARGET on PROMPTS; resumable with --resume."""
-    from mlxspec.loading import load
+    from mlxspec.loading import MissingExtraError, load, require_torch
     from mlxspec.training import train_dflash
 
     for name, value in (("--layers", layers), ("--steps", steps), ("--anchors", anchors),
@@ -124,6 +124,8 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
     if minutes is not None and minutes <= 0:
         raise click.BadParameter(f"must be > 0, got {minutes}", param_hint="--minutes")
     try:
+        if "torch" in (backend, generate_with):
+            require_torch()  # before the target is converted or loaded
         model, tokenizer = load(target, dtype=dtype)
         torch_model = None
         if "torch" in (backend, generate_with):
@@ -144,7 +146,7 @@ def dflash(target, prompts, out, layers, block_size, target_layer_ids, steps, re
             backend=backend, torch_target=torch_model if backend == "torch" else None,
             device=device,
         )
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, OSError, MissingExtraError) as err:
         raise click.ClickException(str(err)) from None
     tau = f", held-out tau {result.taus[-1][1]:.2f}" if result.taus else ""
     click.echo(f"step {result.step}: checkpoint in {result.out}{tau}")

@@ -107,3 +107,36 @@ def test_bench_rejects_unknown_suite_and_missing_draft_model():
     for pair in ("lookup/dflash", "lookup", "none/lookup/none"):  # before any model loads
         result = runner.invoke(main, ["bench", "--drafters", "none,lookup", "--compare", pair])
         assert result.exit_code != 0 and "two of --drafters" in result.output
+
+
+def test_bench_overhead_splits_a_step_and_compares_with_mlx_lm(smollm_dir, tmp_path):
+    """`bench --overhead`: every drafter, passes queued ahead and one at a time, on the tiny
+    target with the model's tokenizer; the parts of a step add up to its wall time."""
+    out, md, png = tmp_path / "o.json", tmp_path / "o.md", tmp_path / "o.png"
+    result = CliRunner().invoke(main, [
+        "bench", "--overhead", "--model", str(smollm_dir), "--drafters",
+        "none,lookup@3,draft@2,dflash+lookup@4", "--suite", "humaneval", "--limit", "2",
+        "--max-tokens", "12", "--out", str(out), "--markdown", str(md), "--plot", str(png),
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["settings"]["target"]["vocab_size"] == 49152
+    rows = {(r["drafter"], r["overlap"]): r for r in report["rows"]}
+    assert set(rows) == {(d, o) for d in ("none", "lookup@3", "draft@2", "dflash+lookup@4")
+                         for o in (True, False)}
+    for r in rows.values():
+        step = r["step_ms"]
+        assert r["tokens"] > 0 and step["wall"] > 0 and step["queued"] > 0
+        assert step["queued"] + step["waited"] + step["other"] == pytest.approx(step["wall"])
+        assert r["vs_mlx_lm"] > 0 and len(r["vs_mlx_lm_interval"]) == 2
+    assert report["mlx_lm"]["ms_per_token"] > 0
+    assert "| none | queued ahead |" in md.read_text() and png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--temp", "1"], "--overhead runs greedy"),
+    (["--backend", "torch"], "measures the MLX loop"),
+])
+def test_bench_overhead_refuses_what_it_does_not_measure(options, words):
+    result = CliRunner().invoke(main, ["bench", "--overhead", *options])
+    assert result.exit_code == 2 and words in result.output

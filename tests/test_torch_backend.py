@@ -253,6 +253,7 @@ def test_draft_vocab_drafts_match(tiny_target, tmp_path):
     assert set(drafts) <= {0, 2, 3, 5, 8, 10}
 
 
+
 def test_truncated_dflash_drafter_refused_naming_the_file(tiny_target, tmp_path):
     """The torch drafter loader runs the same safetensors check as the MLX one."""
     from test_dflash import make_drafter_dir, truncate
@@ -484,6 +485,13 @@ def test_bad_backend_input(smollm, torch_smollm, smollm_first_layers):
     mlx_draft = DraftModelDrafter(model)
     with pytest.raises(TypeError, match="another backend"):
         list(mlxspec.stream_generate(tmodel, ttokenizer, "Hi there", 4, drafter=mlx_draft))
+    # Ids outside the vocabulary, refused before the embedding is read (as on MLX).
+    for bad_id in (999999, -1, 49152):
+        with pytest.raises(ValueError, match=f"token id {bad_id} is outside the model's "
+                                             "vocabulary of 49152 tokens"):
+            mlxspec.generate(tmodel, ttokenizer, [1, bad_id], max_tokens=4)
+    with pytest.raises(TypeError, match="max_tokens must be an integer"):
+        mlxspec.generate(tmodel, ttokenizer, [1, 2], max_tokens=3.0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")

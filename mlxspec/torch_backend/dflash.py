@@ -266,7 +266,7 @@ class TorchDFlashDrafter(Drafter):
         self.model = model
         self.args = model.args
         self.block_size = check_block_size(block_size, self.args.block_size)
-        self.default_num_draft = self.block_size - 1
+        self.default_num_draft = self.max_draft = self.block_size - 1
         self.capture_layers = tuple(self.args.target_layer_ids)
         self.embed_tokens = embed_tokens
         self.draft_ids = None
