@@ -306,9 +306,9 @@ def speculative_tokens(
     def launch(k: int, pending: "int | Pass | None" = None) -> Pass:
         start = time.perf_counter()
         draft = drafter.propose(tokens, k, sampling) if k > 0 else EMPTY_DRAFT
-        step = target.launch(tokens[-1] if pending is None else pending, draft, sampling)
+        queued = target.launch(tokens[-1] if pending is None else pending, draft, sampling)
         stats.launch_seconds += time.perf_counter() - start
-        return step
+        return queued
 
     produced, clock = 0, time.perf_counter()
     step = launch(choose_k(0, len(tokens)))
@@ -334,10 +334,9 @@ def speculative_tokens(
                 policy.update(len(verdict.draft_tokens), verdict.accepted, now - clock)
             produced, clock = produced + len(new), now
             finished = stop is not None or produced >= max_tokens
-            if finished and step is not None:
-                target.trim(step.num_draft)  # queued in vain: its pending token is committed
-                step = None
-            elif not finished and step is None and overlap:
+            if finished:
+                step = None  # a plain pass queued in vain holds only a committed token
+            elif step is None and overlap:
                 step = launch(choose_k(produced, len(tokens)) if k is None else k)
             for i, token in enumerate(new):
                 yield token, i < verdict.accepted
