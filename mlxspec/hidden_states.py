@@ -24,9 +24,15 @@ class _Recorder:
 
 
 def decoder_layers(model) -> list:
+    """The list of decoder layers the model's forward reads. Stored lists are looked up first:
+    some models' `layers` is a property returning a copy (Qwen3-Next's and Qwen3.5's pipeline
+    slice), where a wrapped entry would never be called."""
+    language_model = getattr(model, "language_model", None)
+    for owner in (getattr(language_model, "model", None), getattr(model, "model", None), model):
+        layers = owner.get("layers") if isinstance(owner, dict) else None  # nn.Module is a dict
+        if isinstance(layers, list):
+            return layers
     layers = getattr(model, "layers", None)
-    if layers is None and hasattr(model, "model"):
-        layers = getattr(model.model, "layers", None)
     if not isinstance(layers, list):
         raise ValueError(f"{type(model).__module__} has no list of decoder layers to capture from")
     return layers

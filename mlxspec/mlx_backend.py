@@ -3,7 +3,7 @@
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
 from .engine import Draft, Pass, common_prefix_length
@@ -11,14 +11,24 @@ from .hidden_states import capture_layer_outputs, concat_features
 from .sampling import SamplingConfig, sample_token
 
 
-def context_length(model) -> int | None:
+def model_setting(model, name: str):
+    """A setting of an mlx-lm model's config; multimodal wrappers (qwen3_5) keep the language
+    model's in their text_config."""
     args = getattr(model, "args", None)
-    return getattr(args, "max_position_embeddings", None) if args is not None else None
+    value = getattr(args, name, None)
+    text_config = getattr(args, "text_config", None)
+    if value is None and isinstance(text_config, dict):
+        value = text_config.get(name)
+    return value
+
+
+def context_length(model) -> int | None:
+    return model_setting(model, "max_position_embeddings")
 
 
 def vocab_size(model) -> int:
     """Rows of the model's embedding table: the token ids it can read."""
-    return int(model.args.vocab_size)
+    return int(model_setting(model, "vocab_size"))
 
 
 def untrimmable_caches(cache: list) -> list[str]:
@@ -28,6 +38,19 @@ def untrimmable_caches(cache: list) -> list[str]:
         if not hasattr(c, "trim") or type(c).__name__ in ("ArraysCache", "MambaCache"):
             names.append(type(c).__name__)
     return sorted(set(names))
+
+
+def is_recurrent(cache) -> bool:
+    """mlx-lm's ArraysCache: state arrays (a convolution window, a recurrent state) that each pass
+    replaces rather than extends, as in the linear-attention layers of Qwen3-Next and Qwen3.5;
+    it cannot be cut back, only restored from a snapshot."""
+    return isinstance(cache, ArraysCache)
+
+
+def cache_offset(cache: list) -> int:
+    """Positions the cache holds, read off its first layer that counts them (a recurrent layer
+    does not)."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
 
 
 def _to_host(array: mx.array) -> list:
@@ -51,8 +74,12 @@ class MLXTarget:
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
         self.prefill_step_size = prefill_step_size
+        # Recurrent layers roll back by restoring the state from before the last pass with drafts
+        # and running its kept tokens again (the attention layers' caches are cut back first).
+        self._recurrent = [c for c in self.cache if is_recurrent(c)]
+        self._last_pass = None  # (recurrent states before it, its input tokens)
         if speculative:
-            bad = untrimmable_caches(self.cache)
+            bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
             if bad:
                 raise ValueError(
                     f"speculative decoding needs a cache that can roll back rejected drafts; this "
@@ -96,6 +123,8 @@ class MLXTarget:
         else:
             head = mx.array([pending], dtype=mx.int32)
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
+        if drafts.size and self._recurrent:
+            self._last_pass = ([list(c.cache) for c in self._recurrent], inputs)
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
@@ -110,15 +139,28 @@ class MLXTarget:
                     features=features, to_host=_to_host)
 
     def trim(self, n: int) -> None:
-        if n > 0:
+        """Drop the last n positions, all of them from the last pass with drafts."""
+        if n <= 0:
+            return
+        if not self._recurrent:
             for c in self.cache:
                 c.trim(n)
+            return
+        states, inputs = self._last_pass
+        for c, state in zip(self._recurrent, states):
+            c.cache = list(state)
+        for c in self.cache:
+            if not is_recurrent(c):
+                c.trim(inputs.size)
+        self.model(inputs[None, : inputs.size - n], cache=self.cache)  # lazy: runs with the next pass
 
     def rollback_room(self) -> int | None:
         """A sliding-window cache (RotatingKVCache) rolls back exactly only while a pass keeps it
         within its window: past it, mlx-lm's rotation drops entries that a trim cannot restore."""
         room = None
         for c in self.cache:
+            if is_recurrent(c):
+                continue
             if not c.is_trimmable():
                 return 0
             window = getattr(c, "max_size", None)
@@ -128,7 +170,7 @@ class MLXTarget:
 
     @property
     def offset(self) -> int:
-        return self.cache[0].offset if self.cache else 0
+        return cache_offset(self.cache)
 
 
 class PromptCache:
@@ -150,13 +192,16 @@ class PromptCache:
 
     def remember(self, tokens: Sequence[int]) -> None:
         """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
-        anything the cache holds past them (drafts after a stop token) is trimmed."""
-        held = self.cache[0].offset if self.cache else 0
-        self.tokens = list(tokens[:held])
+        anything the cache holds past them (drafts after a stop token) is trimmed. A cache with
+        recurrent layers cannot be cut back to a shared prefix: the next call starts afresh."""
+        if self.cache is not None and any(is_recurrent(c) for c in self.cache):
+            self.cache, self.tokens = None, []
+            return
+        self.tokens = list(tokens[: cache_offset(self.cache or [])])
         self._trim_to(len(self.tokens))
 
     def _trim_to(self, keep: int) -> None:
-        held = self.cache[0].offset if self.cache else 0
+        held = cache_offset(self.cache)
         if held > keep:
             for c in self.cache:
                 c.trim(held - keep)

@@ -4,7 +4,8 @@ A drafter proposes the target's true greedy continuation with the token at draft
 made wrong, for every j in 0..K-1 and for none wrong (j = K), over several K and prompts, on every
 kind of target cache the project runs: mlx-lm's KVCache, a RotatingKVCache whose window the
 generation outgrows (drafts shrink at its edge, then stop), a PromptCache reused from an earlier
-call, and transformers' DynamicCache on the torch backend. Each step then accepts exactly j
+call, the recurrent ArraysCache of hybrid models beside their KVCache (Gated DeltaNet in Qwen3-Next
+and Qwen3.5, Mamba-2 in Nemotron-H), and transformers' DynamicCache on the torch backend. Each step then accepts exactly j
 drafts and rolls back the rest, so the output must be plain greedy decoding (computed outside the
 loop, token by token) and the stats must be exactly the ones the planting implies.
 """
@@ -12,7 +13,7 @@ loop, token by token) and the stats must be exactly the ones the planting implie
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, tiny_nemotron_h, tiny_qwen3_5, tiny_qwen3_next
 
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget, PromptCache
@@ -135,3 +136,70 @@ def test_torch_dynamic_cache(target, prompt, tmp_path):
             reference.append(int(logits[0, -1].argmax()))
             ids.append(reference[-1])
     check_every_planting(lambda: TorchTarget(twin, speculative=True), prompt, reference)
+
+
+HYBRIDS = [tiny_qwen3_next, tiny_qwen3_5, tiny_nemotron_h]
+
+
+@pytest.mark.parametrize("build", HYBRIDS)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_hybrid_recurrent_and_attention_caches(build, prompt):
+    """Gated DeltaNet and Mamba-2 layers keep a convolution window and a recurrent state: a
+    rejected draft is undone by restoring them from before the pass and running its kept tokens
+    again."""
+    model = build(vocab=VOCAB, seed=3)
+    reference = mlx_reference(model, prompt, lambda: make_prompt_cache(model))
+    check_every_planting(lambda: MLXTarget(model, speculative=True), prompt, reference,
+                         overlaps=(True, False))
+
+
+@pytest.mark.parametrize("build", HYBRIDS)
+def test_hybrid_state_after_rollback_equals_a_fresh_prefill(build):
+    """After a generation full of rejected drafts, every layer's state (convolution window,
+    recurrent state, attention keys and values) is the one a fresh prefill of the committed
+    tokens builds."""
+    model = build(vocab=VOCAB, seed=4)
+    prompt = [1, 2, 3, 4, 5]
+    full = prompt + mlx_reference(model, prompt, lambda: make_prompt_cache(model))
+    target = MLXTarget(model, speculative=True)
+    out = list(speculative_tokens(target, PlantedDrafter(full, 1), prompt,
+                                  sampling=SamplingConfig(), max_tokens=N, num_draft=4,
+                                  stats=SpecStats()))
+    committed = prompt + [t for t, _ in out]
+    fresh = make_prompt_cache(model)
+    model(mx.array(committed[:-1])[None], cache=fresh)
+    for ours, theirs in zip(target.cache, fresh):
+        if hasattr(theirs, "offset"):
+            assert ours.offset == theirs.offset == len(committed) - 1
+            pairs = [(ours.keys[..., : ours.offset, :], theirs.keys[..., : theirs.offset, :]),
+                     (ours.values[..., : ours.offset, :], theirs.values[..., : theirs.offset, :])]
+        else:
+            pairs = list(zip(ours.cache, theirs.cache))
+        for a, b in pairs:
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3_next, tiny_qwen3_5])
+def test_dflash_on_hybrid_targets_is_lossless(build, tmp_path):
+    """A random DFlash drafter (z-lab layout) reading a linear-attention layer (0), an attention
+    layer (1) and the last layer of a hybrid target: greedy output is plain decoding's."""
+    from test_dflash import drafter_config, random_weights, save_drafter
+
+    from mlxspec.drafters.dflash import load_dflash_drafter
+    from mlxspec.engine import PlainDecoding
+
+    model = build(vocab=VOCAB, seed=3)
+    config = drafter_config(vocab=VOCAB, hidden=32, target_layers=4, num_hidden_layers=1,
+                            layer_types=["full_attention"], block_size=6, mask_token_id=0,
+                            target_layer_ids=[0, 1, 3])
+    drafter = load_dflash_drafter(save_drafter(tmp_path, config, random_weights(config)),
+                                  model=model)
+    prompt = [1, 2, 3, 4, 5]
+    plain = [t for t, _ in speculative_tokens(MLXTarget(model), PlainDecoding(), prompt,
+                                              sampling=SamplingConfig(), max_tokens=N,
+                                              num_draft=1, stats=SpecStats())]
+    stats = SpecStats()
+    out = [t for t, _ in speculative_tokens(
+        MLXTarget(model, capture_layers=drafter.capture_layers, speculative=True), drafter,
+        prompt, sampling=SamplingConfig(), max_tokens=N, num_draft=5, stats=stats)]
+    assert out == plain and stats.drafted > 0

@@ -23,3 +23,52 @@ def tiny_llama(vocab: int = 32, hidden: int = 32, layers: int = 2, seed: int = 0
     model.lm_head.weight = model.lm_head.weight * sharpness
     mx.eval(model.parameters())
     return model
+
+
+HYBRID_SIZES = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                    max_position_embeddings=256, full_attention_interval=2)
+
+
+def tiny_qwen3_next(vocab: int = 32, seed: int = 0):
+    """mlx-lm's Qwen3-Next: Gated DeltaNet layers (ArraysCache) between attention layers."""
+    from mlx_lm.models import qwen3_next
+
+    mx.random.seed(seed)
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", vocab_size=vocab, num_experts=0, num_experts_per_tok=0,
+        decoder_sparse_step=1, shared_expert_intermediate_size=0, mlp_only_layers=[],
+        moe_intermediate_size=0, rope_theta=10000.0, partial_rotary_factor=0.25, **HYBRID_SIZES)
+    model = qwen3_next.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_qwen3_5(vocab: int = 32, seed: int = 0):
+    """mlx-lm's Qwen3.5 (its text model inside the multimodal wrapper), same layer pattern."""
+    from mlx_lm.models import qwen3_5
+
+    mx.random.seed(seed)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(
+        dict(model_type="qwen3_5", vocab_size=vocab, **HYBRID_SIZES)))
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_nemotron_h(vocab: int = 32, seed: int = 0):
+    """mlx-lm's Nemotron-H: Mamba-2 layers (ArraysCache: convolution and SSM state), attention
+    and MLP layers, in the pattern M * - M."""
+    from mlx_lm.models import nemotron_h
+
+    mx.random.seed(seed)
+    args = nemotron_h.ModelArgs(
+        model_type="nemotron_h", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+        max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2,
+        attention_bias=False, mamba_num_heads=4, mamba_head_dim=8, mamba_proj_bias=False,
+        ssm_state_size=8, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+        use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "-", "M"])
+    model = nemotron_h.Model(args)
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,69 @@
+"""Hybrid-attention targets (Gated DeltaNet + attention) from a model directory, through the CLI
+and the API: a tiny random Qwen3-Next built from mlx-lm's own class, saved in its checkpoint
+layout with SmolLM2's tokenizer. Rollback itself is tested in test_rollback_property."""
+
+import json
+import re
+import shutil
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from mlx.utils import tree_flatten
+from tiny_models import HYBRID_SIZES, tiny_qwen3_next
+
+import mlxspec
+from mlxspec.cli.main import main
+
+PROMPT = "one two three one two three one two three one two"
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(smollm_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3_next")
+    model = tiny_qwen3_next(vocab=49152, seed=5)
+    config = {**vars(model.args), **HYBRID_SIZES}
+    (out / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    for f in smollm_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def generate(*args):
+    result = CliRunner().invoke(main, ["generate", "--no-chat-template", "-n", "24", *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "dflash"])
+def test_cli_drafters_on_a_hybrid_target_are_lossless(hybrid_dir, drafter, tmp_path):
+    """`--drafter none` used to fail ('ArraysCache' object has no attribute 'offset') and every
+    other drafter was refused."""
+    plain = generate("--model", str(hybrid_dir), "-p", PROMPT)
+    options = ["--drafter", drafter, "--fixed-k", "--verbose"]
+    if drafter == "dflash":
+        from test_dflash import drafter_config, random_weights, save_drafter
+
+        config = drafter_config(vocab=49152, hidden=32, target_layers=4, num_hidden_layers=1,
+                                layer_types=["full_attention"], block_size=6, mask_token_id=0,
+                                target_layer_ids=[0, 1, 3])
+        options += ["--drafter-model", str(save_drafter(tmp_path, config,
+                                                        random_weights(config)))]
+    spec = generate("--model", str(hybrid_dir), "-p", PROMPT, *options)
+    assert spec.stdout == plain.stdout
+    drafted = int(re.search(r"drafted: (\d+)", spec.stderr)[1])
+    assert drafted > 0, spec.stderr
+
+
+def test_api_chat_turns_on_a_hybrid_target(hybrid_dir):
+    """A PromptCache on a hybrid starts each turn afresh (its recurrent state cannot be cut back
+    to a shared prefix), and the reply is the one without it."""
+    model, tokenizer = mlxspec.load(hybrid_dir)
+    cache = mlxspec.PromptCache()
+    for prompt in (PROMPT, PROMPT + " three one"):
+        kept = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 12,
+                                                         drafter="lookup", prompt_cache=cache)]
+        fresh = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 12)]
+        assert kept == fresh
