@@ -175,30 +175,40 @@ class MLXTarget:
 
 class PromptCache:
     """A target KV cache kept across calls, e.g. chat turns: each new prompt reuses the longest
-    prefix it shares with what the cache holds, so a turn prefills only the new tokens."""
+    prefix it shares with what the cache holds, so a turn prefills only the new tokens. A cache
+    that cannot be cut back (a hybrid's recurrent layers, a sliding window past its edge) is
+    kept when the new prompt extends all it holds, as the next chat turn does, else rebuilt."""
 
     def __init__(self):
         self.cache: list | None = None
-        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+        self.tokens: list[int] = []  # the tokens whose keys and values (or states) it holds
 
     def take(self, model, prompt: Sequence[int]) -> list:
-        """The cache trimmed to the longest common prefix with `prompt` (never all of it: the
+        """The cache cut back to the longest prefix it shares with `prompt` (never all of it: the
         last prompt token is the loop's pending token)."""
-        if self.cache is None or not all(c.is_trimmable() for c in self.cache):
-            self.cache, self.tokens = make_prompt_cache(model), []
-        keep = common_prefix_length(self.tokens, prompt[:-1])
+        keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
+        if self.cache is None or (keep < len(self.tokens) and not self._can_cut()):
+            self.cache, self.tokens, keep = make_prompt_cache(model), [], 0
         self._trim_to(keep)
         return self.cache
 
     def remember(self, tokens: Sequence[int]) -> None:
         """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
-        anything the cache holds past them (drafts after a stop token) is trimmed. A cache with
-        recurrent layers cannot be cut back to a shared prefix: the next call starts afresh."""
-        if self.cache is not None and any(is_recurrent(c) for c in self.cache):
+        anything it holds past them (drafts of a stopped reply) is cut back, or where it cannot
+        be (or no layer counts positions), the next call starts afresh."""
+        held = self._held()
+        if held is None or (held > len(tokens) and not self._can_cut()):
             self.cache, self.tokens = None, []
             return
-        self.tokens = list(tokens[: cache_offset(self.cache or [])])
+        self.tokens = list(tokens[:held])
         self._trim_to(len(self.tokens))
+
+    def _can_cut(self) -> bool:
+        return all(c.is_trimmable() for c in self.cache)
+
+    def _held(self) -> int | None:
+        counts = [c.offset for c in self.cache or [] if hasattr(c, "offset")]
+        return counts[0] if counts else None
 
     def _trim_to(self, keep: int) -> None:
         held = cache_offset(self.cache)

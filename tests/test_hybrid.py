@@ -57,13 +57,24 @@ def test_cli_drafters_on_a_hybrid_target_are_lossless(hybrid_dir, drafter, tmp_p
     assert drafted > 0, spec.stderr
 
 
-def test_api_chat_turns_on_a_hybrid_target(hybrid_dir):
-    """A PromptCache on a hybrid starts each turn afresh (its recurrent state cannot be cut back
-    to a shared prefix), and the reply is the one without it."""
+def test_api_chat_turns_on_a_hybrid_target_keep_the_state(hybrid_dir):
+    """A turn that extends the conversation the cache holds prefills only its new tokens on top
+    of the kept recurrent state; one that does not (its recurrent state cannot be cut back to a
+    shared prefix) starts afresh. Replies are the ones without a cache either way."""
     model, tokenizer = mlxspec.load(hybrid_dir)
     cache = mlxspec.PromptCache()
-    for prompt in (PROMPT, PROMPT + " three one"):
+    prompt = tokenizer.encode(PROMPT)
+    for turn in range(3):
         kept = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 12,
                                                          drafter="lookup", prompt_cache=cache)]
         fresh = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 12)]
         assert kept == fresh
+        assert cache.tokens == (prompt + kept)[: len(cache.tokens)]
+        assert len(cache.tokens) >= len(prompt)  # kept for the next turn
+        held = len(cache.tokens)
+        prompt = prompt + kept + tokenizer.encode(" three one two")
+        assert cache.take(model, prompt) is cache.cache and len(cache.tokens) == held
+    diverging = tokenizer.encode(PROMPT + " four")
+    before = cache.cache
+    list(mlxspec.stream_generate(model, tokenizer, diverging, 4, prompt_cache=cache))
+    assert cache.cache is not before  # rebuilt: a recurrent state cannot be cut back
