@@ -107,6 +107,7 @@ class BackendParts:
     peak_memory_gb: Callable[[object], float]
     context_length: Callable[[object], "int | None"]
     vocab_size: Callable[[object], int]
+    run_steps: Callable[[Iterator], Iterator] = iter  # each step of the loop, run as it needs
 
 
 def _mlx_parts() -> BackendParts:
@@ -118,7 +119,7 @@ def _torch_parts() -> BackendParts:
     from . import torch_backend as tb
 
     return BackendParts(tb.TorchTarget, tb.TorchPromptCache, tb.seed, tb.peak_memory_gb,
-                        tb.context_length, tb.vocab_size)
+                        tb.context_length, tb.vocab_size, _blas_single_threaded)
 
 
 BACKEND_PARTS = {"mlx": _mlx_parts, "torch": _torch_parts}
@@ -206,9 +207,6 @@ def stream_generate(
         stop_tokens=eos,
         overlap=overlap,
     )
-    tokens = steps
-    if backend == "torch":
-        tokens = _blas_single_threaded(tokens)
 
     def response(token, from_draft, n, finish_reason=None):
         elapsed = time.perf_counter() - gen_start
@@ -241,7 +239,7 @@ def stream_generate(
     n, token, from_draft, finish_reason = 0, None, False, "length"
     output = []
     try:
-        for token, from_draft in tokens:
+        for token, from_draft in parts.run_steps(steps):
             output.append(token)
             if n == 0:
                 # Time to the first token is prefill plus one verify pass, as in mlx-lm.
