@@ -63,3 +63,31 @@ def capture_layer_outputs(model, layer_ids):
 def concat_features(outputs: list) -> mx.array:
     """(B, L, H) per layer -> (B, L, H * num_layers), in layer_ids order."""
     return mx.concatenate(outputs, axis=-1)
+
+
+class _InputRecorder:
+    def __init__(self, module, sink: list):
+        self.module, self.sink = module, sink
+
+    def __call__(self, x, *args, **kwargs):
+        self.sink.append(x)
+        return self.module(x, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+@contextmanager
+def record_inputs(modules: list[tuple[object, str]]):
+    """Yield one list per (owner, attribute name): after the forward pass, the input its module
+    was called with. Set on the owner instance for one call and removed in a `finally`, so the
+    module itself (and its parameters) is never replaced."""
+    sinks = [[] for _ in modules]
+    try:
+        for (owner, name), sink in zip(modules, sinks):
+            object.__setattr__(owner, name, _InputRecorder(getattr(owner, name), sink))
+        yield sinks
+    finally:
+        for owner, name in modules:
+            if name in vars(owner):
+                object.__delattr__(owner, name)

@@ -7,7 +7,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
 from .engine import Draft, Pass, common_prefix_length
-from .hidden_states import capture_layer_outputs, concat_features
+from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
 from .sampling import SamplingConfig, sample_token
 
 
@@ -47,6 +47,30 @@ def is_recurrent(cache) -> bool:
     return isinstance(cache, ArraysCache)
 
 
+# Where mlx-lm's hybrid layers keep the module that updates a recurrent state: Gated DeltaNet
+# (qwen3_next, qwen3_5), Mamba-2 (nemotron_h, granitemoehybrid).
+_STATE_MIXERS = ("linear_attn", "mixer", "mamba")
+
+
+def state_mixers(model, cache: list) -> list[tuple[object, str, object]] | None:
+    """(decoder layer, attribute, cache) for each recurrent layer: the module a rollback runs
+    again on the kept positions' recorded inputs. None where a layer's module is not known."""
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        return None
+    if len(layers) != len(cache):
+        return None
+    mixers = []
+    for layer, c in zip(layers, cache):
+        if is_recurrent(c):
+            name = next((n for n in _STATE_MIXERS if isinstance(layer, dict) and n in layer), None)
+            if name is None:
+                return None
+            mixers.append((layer, name, c))
+    return mixers
+
+
 def cache_offset(cache: list) -> int:
     """Positions the cache holds, read off its first layer that counts them (a recurrent layer
     does not)."""
@@ -77,7 +101,8 @@ class MLXTarget:
         # Recurrent layers roll back by restoring the state from before the last pass with drafts
         # and running its kept tokens again (the attention layers' caches are cut back first).
         self._recurrent = [c for c in self.cache if is_recurrent(c)]
-        self._last_pass = None  # (recurrent states before it, its input tokens)
+        self._mixers = state_mixers(model, self.cache) if self._recurrent else None
+        self._last_pass = None  # (recurrent states before it, its input tokens, mixer inputs)
         if speculative:
             bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
             if bad:
@@ -123,9 +148,18 @@ class MLXTarget:
         else:
             head = mx.array([pending], dtype=mx.int32)
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
+        mixer_inputs = None
         if drafts.size and self._recurrent:
-            self._last_pass = ([list(c.cache) for c in self._recurrent], inputs)
-        logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
+            states = [list(c.cache) for c in self._recurrent]
+            if self._mixers:
+                with record_inputs([(layer, name) for layer, name, _ in self._mixers]) as seen:
+                    logits, features = self._forward(inputs)
+                mixer_inputs = [inputs_seen[0] for inputs_seen in seen]
+            else:
+                logits, features = self._forward(inputs)
+            self._last_pass = (states, inputs, mixer_inputs)
+        else:
+            logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
         elif sampling.greedy:
@@ -146,13 +180,24 @@ class MLXTarget:
             for c in self.cache:
                 c.trim(n)
             return
-        states, inputs = self._last_pass
+        states, inputs, mixer_inputs = self._last_pass
         for c, state in zip(self._recurrent, states):
             c.cache = list(state)
+        keep = inputs.size - n
+        if mixer_inputs is not None:
+            # Causal layers: the kept positions' inputs to each recurrent layer are the ones the
+            # pass recorded, so only those layers' state updates run again (lazily: their outputs,
+            # the other layers and the head are never computed); attention caches drop n.
+            for c in self.cache:
+                if not is_recurrent(c):
+                    c.trim(n)
+            for (layer, name, c), x in zip(self._mixers, mixer_inputs):
+                getattr(layer, name)(x[:, :keep], mask=None, cache=c)
+            return
         for c in self.cache:
             if not is_recurrent(c):
                 c.trim(inputs.size)
-        self.model(inputs[None, : inputs.size - n], cache=self.cache)  # lazy: runs with the next pass
+        self.model(inputs[None, :keep], cache=self.cache)  # lazy: runs with the next pass
 
     def rollback_room(self) -> int | None:
         """A sliding-window cache (RotatingKVCache) rolls back exactly only while a pass keeps it
