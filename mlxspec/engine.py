@@ -11,7 +11,7 @@ backend's `Target`; drafters see host token lists and backend arrays.
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from .sampling import SamplingConfig
 
@@ -54,10 +54,9 @@ class Pass:
     packed: Any  # device (num_draft + 2,): the drafts, the accepted count, the next token
     next_token: Any  # device scalar: the pending token of a plain pass queued right after this
     features: Any  # device (num_draft + 1, H * layers), or None
-    to_host: Callable[[Any], list]
 
     def verdict(self) -> Verdict:
-        host = self.to_host(self.packed)
+        host = self.packed.tolist()  # waits for the pass: its one host sync (MLX or torch alike)
         accepted = host[-2]
         features = self.features[: accepted + 1] if self.features is not None else None
         return Verdict(draft_tokens=host[:-2], accepted=accepted, next_token=host[-1],

@@ -111,10 +111,6 @@ def capture_layer_outputs(model, layer_ids):
             handle.remove()
 
 
-def _to_host(tensor: torch.Tensor) -> list:
-    return tensor.tolist()  # waits for the queued pass: the step's one host sync
-
-
 class TorchTarget:
     """Wraps a transformers causal LM and its KV cache for one generation."""
 
@@ -198,7 +194,7 @@ class TorchTarget:
         next_token = next_token.reshape(()).to(torch.long)
         packed = torch.cat([drafts, accepted.reshape(1), next_token.reshape(1)])
         return Pass(num_draft=int(drafts.shape[0]), packed=packed, next_token=next_token,
-                    features=features, to_host=_to_host)
+                    features=features)
 
     def trim(self, n: int) -> None:
         crop(self.cache, n)
