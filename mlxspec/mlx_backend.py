@@ -71,14 +71,10 @@ def state_mixers(model, cache: list) -> list[tuple[object, str, object]] | None:
     return mixers
 
 
-def cache_offset(cache: list) -> int:
+def cache_offset(cache: list) -> int | None:
     """Positions the cache holds, read off its first layer that counts them (a recurrent layer
-    does not)."""
-    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
-
-
-def _to_host(array: mx.array) -> list:
-    return array.tolist()  # waits for the queued pass: the step's one host sync
+    does not); None when none does."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), None)
 
 
 class MLXTarget:
@@ -148,18 +144,13 @@ class MLXTarget:
         else:
             head = mx.array([pending], dtype=mx.int32)
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
-        mixer_inputs = None
-        if drafts.size and self._recurrent:
-            states = [list(c.cache) for c in self._recurrent]
-            if self._mixers:
-                with record_inputs([(layer, name) for layer, name, _ in self._mixers]) as seen:
-                    logits, features = self._forward(inputs)
-                mixer_inputs = [inputs_seen[0] for inputs_seen in seen]
-            else:
-                logits, features = self._forward(inputs)
-            self._last_pass = (states, inputs, mixer_inputs)
-        else:
+        undoable = bool(drafts.size and self._recurrent)  # a rejection restores, then re-runs
+        states = [list(c.cache) for c in self._recurrent] if undoable else None
+        recorded = [(layer, name) for layer, name, _ in self._mixers or []] if undoable else []
+        with record_inputs(recorded) as seen:
             logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
+        if undoable:
+            self._last_pass = (states, inputs, [s[0] for s in seen] if recorded else None)
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
         elif sampling.greedy:
@@ -170,7 +161,7 @@ class MLXTarget:
         packed = mx.concatenate([drafts, accepted.astype(mx.int32)[None], next_token[None]])
         mx.async_eval(packed, *([features] if features is not None else []))
         return Pass(num_draft=drafts.size, packed=packed, next_token=next_token,
-                    features=features, to_host=_to_host)
+                    features=features)
 
     def trim(self, n: int) -> None:
         """Drop the last n positions, all of them from the last pass with drafts."""
@@ -215,7 +206,7 @@ class MLXTarget:
 
     @property
     def offset(self) -> int:
-        return cache_offset(self.cache)
+        return cache_offset(self.cache) or 0
 
 
 class PromptCache:
@@ -241,7 +232,7 @@ class PromptCache:
         """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
         anything it holds past them (drafts of a stopped reply) is cut back, or where it cannot
         be (or no layer counts positions), the next call starts afresh."""
-        held = self._held()
+        held = cache_offset(self.cache or [])
         if held is None or (held > len(tokens) and not self._can_cut()):
             self.cache, self.tokens = None, []
             return
@@ -251,12 +242,8 @@ class PromptCache:
     def _can_cut(self) -> bool:
         return all(c.is_trimmable() for c in self.cache)
 
-    def _held(self) -> int | None:
-        counts = [c.offset for c in self.cache or [] if hasattr(c, "offset")]
-        return counts[0] if counts else None
-
     def _trim_to(self, keep: int) -> None:
-        held = cache_offset(self.cache)
+        held = cache_offset(self.cache) or 0
         if held > keep:
             for c in self.cache:
                 c.trim(held - keep)
