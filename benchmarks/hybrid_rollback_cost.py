@@ -30,7 +30,7 @@ CONFIG = dict(model_type="qwen3_5", vocab_size=32000, hidden_size=1024, num_hidd
 def measure(model, k: int, rejected: int, *, layers_only: bool, repeats: int = 5):
     target = MLXTarget(model, speculative=True)
     if not layers_only:
-        target._mixers = None  # the fallback: the kept tokens through the whole model
+        target._mixers = []  # the fallback: the kept tokens through the whole model
     target.prefill(list(range(1, 258)))
     verify, rollback = [], []
     for _ in range(repeats + 1):

@@ -5,6 +5,7 @@ the chosen entries of `model.layers` are wrapped for the duration of one call an
 `finally`, so the caller's model is never left altered and plain decoding pays nothing.
 """
 
+import inspect
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -68,9 +69,11 @@ def concat_features(outputs: list) -> mx.array:
 class _InputRecorder:
     def __init__(self, module, sink: list):
         self.module, self.sink = module, sink
+        self.signature = inspect.signature(module.__call__)
 
     def __call__(self, x, *args, **kwargs):
-        self.sink.append(x)
+        cache = self.signature.bind(x, *args, **kwargs).arguments.get("cache")
+        self.sink.append((self.module, x, cache))
         return self.module(x, *args, **kwargs)
 
     def __getattr__(self, name):
@@ -79,14 +82,16 @@ class _InputRecorder:
 
 @contextmanager
 def record_inputs(modules: list[tuple[object, str]]):
-    """Yield one list per (owner, attribute name): after the forward pass, the input its module
-    was called with. Set on the owner instance for one call and removed in a `finally`, so the
+    """Yield a list that, after the forward pass, holds (module, input, cache) for each call of
+    the modules named by (owner, attribute name), in call order; a model may keep one cache per
+    layer or skip the layers that hold none (Nemotron-H's MLP blocks), so each call says which
+    cache it updated. Set on the owner instance for one call and removed in a `finally`, so the
     module itself (and its parameters) is never replaced."""
-    sinks = [[] for _ in modules]
+    calls = []
     try:
-        for (owner, name), sink in zip(modules, sinks):
-            object.__setattr__(owner, name, _InputRecorder(getattr(owner, name), sink))
-        yield sinks
+        for owner, name in modules:
+            object.__setattr__(owner, name, _InputRecorder(getattr(owner, name), calls))
+        yield calls
     finally:
         for owner, name in modules:
             if name in vars(owner):

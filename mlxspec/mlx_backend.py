@@ -48,26 +48,23 @@ def is_recurrent(cache) -> bool:
 
 
 # Where mlx-lm's hybrid layers keep the module that updates a recurrent state: Gated DeltaNet
-# (qwen3_next, qwen3_5), Mamba-2 (nemotron_h, granitemoehybrid).
+# (qwen3_next, qwen3_5), Mamba-2 (nemotron_h's `mixer`, also its attention and MLP blocks' name,
+# granitemoehybrid and falcon_h1's `mamba`).
 _STATE_MIXERS = ("linear_attn", "mixer", "mamba")
 
 
-def state_mixers(model, cache: list) -> list[tuple[object, str, object]] | None:
-    """(decoder layer, attribute, cache) for each recurrent layer: the module a rollback runs
-    again on the kept positions' recorded inputs. None where a layer's module is not known."""
+def state_mixers(model) -> list[tuple[object, str]]:
+    """(decoder layer, attribute) for each layer holding a module of a known kind that may update
+    a recurrent state: a rollback runs the calls that did again on the kept positions."""
     try:
         layers = decoder_layers(model)
     except ValueError:
-        return None
-    if len(layers) != len(cache):
-        return None
+        return []
     mixers = []
-    for layer, c in zip(layers, cache):
-        if is_recurrent(c):
-            name = next((n for n in _STATE_MIXERS if isinstance(layer, dict) and n in layer), None)
-            if name is None:
-                return None
-            mixers.append((layer, name, c))
+    for layer in layers:
+        name = next((n for n in _STATE_MIXERS if isinstance(layer, dict) and n in layer), None)
+        if name is not None:
+            mixers.append((layer, name))
     return mixers
 
 
@@ -97,8 +94,8 @@ class MLXTarget:
         # Recurrent layers roll back by restoring the state from before the last pass with drafts
         # and running its kept tokens again (the attention layers' caches are cut back first).
         self._recurrent = [c for c in self.cache if is_recurrent(c)]
-        self._mixers = state_mixers(model, self.cache) if self._recurrent else None
-        self._last_pass = None  # (recurrent states before it, its input tokens, mixer inputs)
+        self._mixers = state_mixers(model) if self._recurrent else []
+        self._last_pass = None  # (recurrent states before it, its input tokens, mixer replays)
         if speculative:
             bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
             if bad:
@@ -146,11 +143,10 @@ class MLXTarget:
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
         undoable = bool(drafts.size and self._recurrent)  # a rejection restores, then re-runs
         states = [list(c.cache) for c in self._recurrent] if undoable else None
-        recorded = [(layer, name) for layer, name, _ in self._mixers or []] if undoable else []
-        with record_inputs(recorded) as seen:
+        with record_inputs(self._mixers if undoable else []) as calls:
             logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
         if undoable:
-            self._last_pass = (states, inputs, [s[0] for s in seen] if recorded else None)
+            self._last_pass = (states, inputs, self._replays(calls))
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
         elif sampling.greedy:
@@ -163,6 +159,16 @@ class MLXTarget:
         return Pass(num_draft=drafts.size, packed=packed, next_token=next_token,
                     features=features)
 
+    def _replays(self, calls: list) -> list | None:
+        """The recorded calls that updated a recurrent cache, one per such cache; None when they
+        do not account for every recurrent cache exactly once (a module of an unknown kind), and
+        a rollback runs the kept tokens through the whole model instead."""
+        recurrent = {id(c) for c in self._recurrent}
+        replays = [(module, x, c) for module, x, c in calls if id(c) in recurrent]
+        if sorted(id(c) for _, _, c in replays) != sorted(recurrent):
+            return None
+        return replays
+
     def trim(self, n: int) -> None:
         """Drop the last n positions, all of them from the last pass with drafts."""
         if n <= 0:
@@ -171,19 +177,19 @@ class MLXTarget:
             for c in self.cache:
                 c.trim(n)
             return
-        states, inputs, mixer_inputs = self._last_pass
+        states, inputs, replays = self._last_pass
         for c, state in zip(self._recurrent, states):
             c.cache = list(state)
         keep = inputs.size - n
-        if mixer_inputs is not None:
+        if replays is not None:
             # Causal layers: the kept positions' inputs to each recurrent layer are the ones the
             # pass recorded, so only those layers' state updates run again (lazily: their outputs,
             # the other layers and the head are never computed); attention caches drop n.
             for c in self.cache:
                 if not is_recurrent(c):
                     c.trim(n)
-            for (layer, name, c), x in zip(self._mixers, mixer_inputs):
-                getattr(layer, name)(x[:, :keep], mask=None, cache=c)
+            for module, x, c in replays:
+                module(x[:, :keep], mask=None, cache=c)
             return
         for c in self.cache:
             if not is_recurrent(c):

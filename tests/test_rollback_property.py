@@ -141,23 +141,33 @@ def test_torch_dynamic_cache(target, prompt, tmp_path):
 HYBRIDS = [tiny_qwen3_next, tiny_qwen3_5, tiny_nemotron_h]
 
 
+def whole_model_rollback(model):
+    """A target that knows no state module of the model: a rejection runs the kept tokens
+    through the whole model (the fallback for a hybrid whose recurrent layers are unknown)."""
+    target = MLXTarget(model, speculative=True)
+    target._mixers = []
+    return target
+
+
 @pytest.mark.parametrize("build", HYBRIDS)
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_hybrid_recurrent_and_attention_caches(build, prompt):
     """Gated DeltaNet and Mamba-2 layers keep a convolution window and a recurrent state: a
     rejected draft is undone by restoring them from before the pass and running its kept tokens
-    again."""
+    again, through the recurrent layers only or (the fallback) the whole model."""
     model = build(vocab=VOCAB, seed=3)
     reference = mlx_reference(model, prompt, lambda: make_prompt_cache(model))
     check_every_planting(lambda: MLXTarget(model, speculative=True), prompt, reference,
                          overlaps=(True, False))
+    check_every_planting(lambda: whole_model_rollback(model), prompt, reference)
 
 
 @pytest.mark.parametrize("build", HYBRIDS)
 def test_hybrid_state_after_rollback_equals_a_fresh_prefill(build):
     """After a generation full of rejected drafts, every layer's state (convolution window,
     recurrent state, attention keys and values) is the one a fresh prefill of the committed
-    tokens builds."""
+    tokens builds, with only the recurrent layers run again (Nemotron-H too, whose cache list
+    skips its MLP blocks)."""
     model = build(vocab=VOCAB, seed=4)
     prompt = [1, 2, 3, 4, 5]
     full = prompt + mlx_reference(model, prompt, lambda: make_prompt_cache(model))
@@ -168,6 +178,7 @@ def test_hybrid_state_after_rollback_equals_a_fresh_prefill(build):
     committed = prompt + [t for t, _ in out]
     fresh = make_prompt_cache(model)
     model(mx.array(committed[:-1])[None], cache=fresh)
+    assert target._last_pass[2] is not None, "rolled back through the whole model"
     for ours, theirs in zip(target.cache, fresh):
         if hasattr(theirs, "offset"):
             assert ours.offset == theirs.offset == len(committed) - 1
