@@ -2,7 +2,9 @@
 
 Same contract as mlxspec.mlx_backend.MLXTarget: prefill all but the pending token, verify
 [pending, drafts] in one forward pass, accept on the device, read one packed tensor back to the
-host, crop the cache to the committed tokens.
+host, crop the cache to the committed tokens. Hybrid models (Qwen3-Next, Qwen3.5) also hold
+linear-attention layers whose state each pass overwrites: a rejection restores it from a copy
+taken before the pass and runs the kept tokens again.
 """
 
 import inspect
@@ -42,11 +44,15 @@ def cache_argument(model) -> str:
 
 
 def make_cache(model):
-    """A fresh DynamicCache laid out for the model's layer types (full or sliding)."""
+    """A fresh DynamicCache laid out for the model's layer types, as transformers' own generate
+    builds it: full or sliding attention, and for hybrids (Qwen3-Next, Qwen3.5) linear-attention
+    layers holding a convolution window and a recurrent state."""
     from transformers import DynamicCache
 
+    config = model.config
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     try:
-        return DynamicCache(config=model.config)
+        return DynamicCache(config=config)
     except TypeError:  # older transformers: no config argument
         return DynamicCache()
 
@@ -68,6 +74,50 @@ def crop(cache, n: int) -> None:
     (5.2x refuses positive values; earlier ones read them as a length to keep)."""
     if n > 0:
         cache.crop(-n)
+
+
+def holds_recurrent_state(layer) -> bool:
+    """A linear-attention layer's cache (transformers' LinearAttentionLayer: Gated DeltaNet in
+    Qwen3-Next and Qwen3.5): a convolution window and a recurrent state that each pass overwrites
+    in place, with no keys and values of its own. It cannot be cropped, only restored."""
+    return (hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
+            and not hasattr(layer, "keys"))
+
+
+def recurrent_layers(cache) -> list:
+    return [layer for layer in getattr(cache, "layers", ()) if holds_recurrent_state(layer)]
+
+
+def layers_that_cannot_roll_back(cache) -> list[str]:
+    """Kinds of the cache's layers that neither crop exactly nor restore from a snapshot (e.g. a
+    layer with both a recurrent state and keys); empty when speculative decoding can run."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # a cache without per-layer objects: it crops as a whole, or not at all
+        return [] if can_crop(cache) else [type(cache).__name__]
+    return sorted({type(layer).__name__ for layer in layers if not (
+        holds_recurrent_state(layer) or getattr(layer, "is_croppable", True))})
+
+
+def snapshot(layers: list) -> list:
+    """Copies of the recurrent layers' states (they are updated in place, so a reference would
+    not do), with whether each had seen any token yet."""
+    return [
+        {i: (layer.has_previous_state[i],
+             None if layer.conv_states[i] is None else layer.conv_states[i].clone(),
+             None if layer.recurrent_states[i] is None else layer.recurrent_states[i].clone())
+         for i in layer.conv_states}
+        for layer in layers
+    ]
+
+
+def restore(layers: list, states: list) -> None:
+    for layer, saved in zip(layers, states):
+        for i, (seen, conv, recurrent) in saved.items():
+            layer.has_previous_state[i] = seen  # False: the next pass starts the state afresh
+            if conv is not None:
+                layer.conv_states[i] = conv
+            if recurrent is not None:
+                layer.recurrent_states[i] = recurrent
 
 
 def decoder_layers(model) -> list:
@@ -130,10 +180,16 @@ class TorchTarget:
         self.capture_layers = tuple(capture_layers)
         self.prefill_step_size = prefill_step_size
         self._cache_arg = cache_argument(model)
-        if speculative and not can_crop(self.cache):
+        # Recurrent layers roll back by restoring their states from before the last pass with
+        # drafts and running its kept tokens again (the attention layers are cropped first).
+        self._recurrent = recurrent_layers(self.cache)
+        self._last_pass = None  # (recurrent states before it, its input tokens)
+        stuck = layers_that_cannot_roll_back(self.cache) if speculative else []
+        if stuck:
             raise ValueError(
                 f"speculative decoding needs a cache that can roll back rejected drafts; this "
-                f"model's {type(self.cache).__name__} has layers that cannot. Use --drafter none."
+                f"model's {type(self.cache).__name__} has {', '.join(stuck)} layers, which "
+                "cannot. Use --drafter none."
             )
 
     def _forward(self, tokens: torch.Tensor, last_only: bool = False):
@@ -182,6 +238,8 @@ class TorchTarget:
         else:
             head = host_tokens([pending], self.device)
         inputs = torch.cat([head, drafts])
+        undoable = bool(drafts.shape[0] and self._recurrent)  # plain passes copy nothing
+        self._last_pass = (snapshot(self._recurrent), inputs) if undoable else None
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
         if drafts.shape[0] == 0:
             accepted = torch.zeros((), dtype=torch.long, device=self.device)
@@ -196,11 +254,26 @@ class TorchTarget:
         return Pass(num_draft=int(drafts.shape[0]), packed=packed, next_token=next_token,
                     features=features)
 
+    @torch.inference_mode()
     def trim(self, n: int) -> None:
-        crop(self.cache, n)
+        """Drop the last n positions, all of them from the last pass, which had drafts."""
+        if n <= 0:
+            return
+        if not self._recurrent:
+            crop(self.cache, n)
+            return
+        states, inputs = self._last_pass
+        restore(self._recurrent, states)
+        for layer in self.cache.layers:
+            if not holds_recurrent_state(layer):
+                layer.crop(-inputs.shape[0])
+        keep = inputs[: inputs.shape[0] - n]
+        self.model(input_ids=keep[None], **{self._cache_arg: self.cache, "use_cache": True},
+                   logits_to_keep=1)
+        self._last_pass = None
 
     def rollback_room(self) -> int | None:
-        return None if can_crop(self.cache) else 0
+        return 0 if layers_that_cannot_roll_back(self.cache) else None
 
     @property
     def offset(self) -> int:
@@ -209,25 +282,32 @@ class TorchTarget:
 
 class TorchPromptCache:
     """mlxspec.PromptCache for the torch backend: a DynamicCache kept across calls (chat turns);
-    each new prompt reuses the longest prefix it shares with what the cache holds."""
+    each new prompt reuses the longest prefix it shares with what the cache holds. A cache that
+    cannot be cropped (a hybrid's recurrent layers) is kept when the new prompt extends all it
+    holds, as the next chat turn does, else rebuilt."""
 
     def __init__(self):
         self.cache = None
-        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+        self.tokens: list[int] = []  # the tokens whose keys and values (or states) it holds
 
     def take(self, model, prompt: Sequence[int]):
         """The cache cropped to the longest common prefix with `prompt` (never all of it: the
         last prompt token is the loop's pending token)."""
-        if self.cache is None or not can_crop(self.cache):
-            self.cache, self.tokens = make_cache(model), []
-        keep = common_prefix_length(self.tokens, prompt[:-1])
+        keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
+        if self.cache is None or (keep < len(self.tokens) and not can_crop(self.cache)):
+            self.cache, self.tokens, keep = make_cache(model), [], 0
         self._trim_to(keep)
         return self.cache
 
     def remember(self, tokens: Sequence[int]) -> None:
         """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
-        anything the cache holds past them (drafts after a stop token) is cropped."""
-        self.tokens = list(tokens[: cache_length(self.cache)])
+        anything the cache holds past them (drafts after a stop token) is cropped, or where it
+        cannot be, the next call starts afresh."""
+        held = cache_length(self.cache)
+        if held > len(tokens) and not can_crop(self.cache):
+            self.cache, self.tokens = None, []
+            return
+        self.tokens = list(tokens[:held])
         self._trim_to(len(self.tokens))
 
     def _trim_to(self, keep: int) -> None:
