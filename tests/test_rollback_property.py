@@ -214,3 +214,27 @@ def test_dflash_on_hybrid_targets_is_lossless(build, tmp_path):
         MLXTarget(model, capture_layers=drafter.capture_layers, speculative=True), drafter,
         prompt, sampling=SamplingConfig(), max_tokens=N, num_draft=5, stats=stats)]
     assert out == plain and stats.drafted > 0
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_torch_sliding_window_cache(prompt):
+    """transformers' DynamicSlidingWindowLayer keeps its last window - 1 positions and refuses a
+    crop past them (it used to raise mid-generation): drafts shrink at its edge, then stop."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from mlxspec.torch_backend import TorchTarget
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0,
+        layer_types=["sliding_attention"] * 2)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    ids, reference = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(N):  # no cache at all: the whole sequence each step, windowed by the mask
+            reference.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(reference[-1])
+    check_every_planting(lambda: TorchTarget(model, speculative=True), prompt, reference,
+                         window=WINDOW - 1)

@@ -273,7 +273,14 @@ class TorchTarget:
         self._last_pass = None
 
     def rollback_room(self) -> int | None:
-        return 0 if layers_that_cannot_roll_back(self.cache) else None
+        """A sliding-window layer (DynamicSlidingWindowLayer) keeps its last window - 1 positions:
+        a pass crops back exactly only while the positions it adds fit beside what it holds."""
+        if layers_that_cannot_roll_back(self.cache):
+            return 0
+        rooms = [layer.sliding_window - 1 - layer.get_seq_length()
+                 for layer in getattr(self.cache, "layers", None) or []
+                 if getattr(layer, "sliding_window", None)]
+        return max(min(rooms), 0) if rooms else None
 
     @property
     def offset(self) -> int:
