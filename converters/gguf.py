@@ -25,6 +25,20 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
+# Hybrid-attention architectures gguf knows and the converter refuses. gguf names their tensors,
+# but their layout is llama.cpp's convert_hf_to_gguf.py: it re-lays out the recurrent layers for
+# ggml (A_log stored as -exp(A_log), norms shifted by one, Qwen3-Next's fused qkvz projection
+# split and regrouped, Qwen3.5's value heads reordered from grouped to tiled, experts merged),
+# and that code has changed over time without a version in the file. Undoing it here would be a
+# second, unchecked copy of that code; the Hugging Face checkpoints convert (converters/hf.py).
+HYBRID_ARCHITECTURES = {
+    "qwen3next": "Qwen3-Next",
+    "qwen35": "Qwen3.5",
+    "qwen35moe": "Qwen3.5",
+    "nemotron_h": "Nemotron-H",
+    "nemotron_h_moe": "Nemotron-H",
+}
+
 # llama.cpp permutes the Q/K rows of llama-arch models (HF rotate-half rope ->
 # interleaved rope). Qwen GGUFs are written without the permutation.
 _PERMUTED = {"llama"}
@@ -370,6 +384,13 @@ def convert_gguf(
     reader = _open(gguf_path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
+    if arch in HYBRID_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {gguf_path.name}: "
+            f"{HYBRID_ARCHITECTURES[arch]} GGUFs hold llama.cpp's re-laid-out recurrent layers, "
+            "which this converter does not undo; convert the Hugging Face checkpoint instead "
+            "(mlxspec convert ORG/NAME-or-DIRECTORY -o OUT)."
+        )
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"Unsupported GGUF architecture {arch!r} in {gguf_path.name}; "

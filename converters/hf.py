@@ -3,7 +3,13 @@
 The source is a local directory or a Hub repo id (resolved through the Hub
 cache, so HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE apply). Loading, casting,
 quantizing and saving are mlx-lm's own functions; this module adds the checks
-around them: safetensors only, a top-level ``rope_theta``, atomic output.
+around them: safetensors only, config keys as mlx-lm reads them (a top-level
+``rope_theta``, the attention period of hybrid models), atomic output.
+
+Hybrid checkpoints (Qwen3-Next, Qwen3.5, Nemotron-H) go through mlx-lm's own
+``sanitize`` exactly once, on their published names; the output is in mlx-lm's
+names and shapes, which the same ``sanitize`` leaves as they are when the
+output is loaded.
 """
 
 import os
@@ -133,31 +139,161 @@ def check_weights(path: Path) -> None:
     check_safetensors(safetensors)
 
 
+# Hybrid models whose mlx-lm class makes every `full_attention_interval`-th layer an attention
+# layer; transformers 5 saves the layer list (`layer_types`) instead of the period.
+_ATTENTION_PERIOD_TYPES = {
+    "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+}
+# Text-only configs of multimodal families: mlx-lm reads them with the family's class, which
+# takes a flat config as its text config.
+_TEXT_ONLY_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def mlx_lm_model_type(model_type: Optional[str]) -> Optional[str]:
+    """The model type mlx-lm knows ``model_type`` as (``qwen3_5_text`` -> ``qwen3_5``)."""
+    return _TEXT_ONLY_TYPES.get(model_type, model_type)
+
+
+def _attention_period(cfg: Dict[str, Any], where: str) -> Optional[int]:
+    """The period of ``layer_types`` ("full_attention" every n-th layer), or None without it."""
+    layer_types = cfg.get("layer_types")
+    if not isinstance(layer_types, list) or not layer_types:
+        return None
+    kinds = {"linear_attention", "full_attention"}
+
+    def fits(n):
+        return all(
+            t == ("full_attention" if (i + 1) % n == 0 else "linear_attention")
+            for i, t in enumerate(layer_types)
+        )
+
+    n = next((n for n in range(1, len(layer_types) + 2) if fits(n)), None)
+    given = cfg.get("full_attention_interval")
+    if n is None or (given is not None and given != n):
+        shown = ", ".join(map(str, layer_types[:8])) + (", ..." if len(layer_types) > 8 else "")
+        problem = (
+            f"has unknown layer types {sorted(set(layer_types) - kinds)}"
+            if set(layer_types) - kinds
+            else f"contradicts full_attention_interval {given}" if n is not None
+            else "is not one attention layer every n layers"
+        )
+        raise ValueError(
+            f"{where} layer_types [{shown}] {problem}; mlx-lm builds "
+            f"{cfg.get('model_type')} models only as linear-attention layers with every n-th layer "
+            "full attention"
+        )
+    return n
+
+
 def config_fixes(config: Dict[str, Any]) -> Dict[str, Any]:
     """Keys to set so mlx-lm reads the config as transformers meant it.
 
-    transformers 5 nests ``rope_theta`` (and the scaling) under
-    ``rope_parameters``; mlx-lm's llama/qwen2 read only the top-level keys and
-    would silently fall back to their defaults.
+    transformers 5 nests ``rope_theta`` (and the scaling, and Qwen3-Next's
+    ``partial_rotary_factor``) under ``rope_parameters``; mlx-lm's llama/qwen2
+    read only the top-level keys and would silently fall back to their
+    defaults (qwen3_next fails). It also saves hybrid Qwen models' layer pattern
+    as ``layer_types`` only, where mlx-lm reads ``full_attention_interval``
+    (default 4, silently wrong for any other period), and a text-only Qwen3.5
+    as ``qwen3_5_text``, a model type mlx-lm knows as ``qwen3_5``.
     """
-    fixes = {}
+    fixes: Dict[str, Any] = {}
+    model_type = config.get("model_type")
+    if mlx_lm_model_type(model_type) != model_type:
+        fixes["model_type"] = mlx_lm_model_type(model_type)
     for cfg, prefix in ((config, None), (config.get("text_config"), "text_config")):
         if not isinstance(cfg, dict):
             continue
-        rp = cfg.get("rope_parameters")
-        if not isinstance(rp, dict):
-            continue
         local = {}
-        if "rope_theta" not in cfg and "rope_theta" in rp:
-            local["rope_theta"] = rp["rope_theta"]
-        rope_type = rp.get("rope_type", rp.get("type", "default"))
-        if rope_type != "default" and cfg.get("rope_scaling") is None:
-            local["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+        rp = cfg.get("rope_parameters")
+        if isinstance(rp, dict):
+            for key in ("rope_theta", "partial_rotary_factor"):
+                if key not in cfg and key in rp:
+                    local[key] = rp[key]
+            rope_type = rp.get("rope_type", rp.get("type", "default"))
+            if rope_type != "default" and cfg.get("rope_scaling") is None:
+                local["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+        if cfg.get("model_type", model_type) in _ATTENTION_PERIOD_TYPES:
+            where = "config.json" + (f" {prefix}" if prefix else "")
+            period = _attention_period(cfg, where)
+            if period is not None and cfg.get("full_attention_interval") != period:
+                local["full_attention_interval"] = period
+        if prefix and "tie_word_embeddings" not in cfg and "tie_word_embeddings" in config:
+            # A multimodal config may say it once, at the top; mlx-lm reads the text config's.
+            local["tie_word_embeddings"] = config["tie_word_embeddings"]
         if local and prefix:
             fixes[prefix] = {**cfg, **local}
         else:
             fixes.update(local)
     return fixes
+
+
+def _one_line(err: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(err).split())
+    if isinstance(err, KeyError):  # e.g. an expert's tensor that sanitize looked up to stack
+        text = f"missing {text}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _model_classes(config: Dict[str, Any]):
+    """mlx-lm's classes, with sanitize fixed where it cannot tell published names from its own.
+
+    mlx-lm's qwen3_next sanitize takes a checkpoint without MoE layers for an
+    already-converted one and returns it untouched: a dense Qwen3-Next in
+    transformers' layout would keep its (channels, 1, kernel) convolutions and
+    its zero-centred norms. Such a checkpoint is recognised by the convolution
+    shape instead, and gets the same transformation the MoE path applies.
+    """
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    if config.get("model_type") != "qwen3_next":
+        return model_class, args_class
+
+    class Qwen3NextModel(model_class):
+        def sanitize(self, weights):
+            moe = any(k.endswith(".mlp.experts.0.up_proj.weight") for k in weights)
+            published = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
+            if moe or not published:
+                return super().sanitize(weights)
+            weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+            if self.args.tie_word_embeddings:
+                weights.pop("lm_head.weight", None)
+            norms = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                     "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+            for k, v in weights.items():
+                if "conv1d.weight" in k and v.shape[-1] != 1:
+                    weights[k] = v.moveaxis(2, 1)
+                elif k.endswith(norms) and v.ndim == 1:
+                    weights[k] = v + 1.0
+            return weights
+
+    Qwen3NextModel.__name__ = Qwen3NextModel.__qualname__ = model_class.__name__
+    return Qwen3NextModel, args_class
+
+
+def load_checkpoint(
+    src: Path, fixes: Optional[Dict[str, Any]] = None, *, lazy: bool = True, action: str = "convert"
+):
+    """mlx-lm's ``load_model`` on a checkpoint directory, its errors as one-line ValueErrors.
+
+    ``fixes`` defaults to :func:`config_fixes` of the directory's config. The
+    model goes through mlx-lm's ``sanitize`` (once, as always). A missing
+    tensor, a tensor of the wrong shape or a config mlx-lm cannot build a model
+    from fails here: "cannot {action} {src}: ..." naming the tensor or key.
+    """
+    from mlx_lm.utils import load_config, load_model
+
+    try:
+        if fixes is None:
+            fixes = config_fixes(load_config(src))
+        return load_model(src, lazy=lazy, model_config=fixes, get_model_classes=_model_classes)
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as err:
+        raise ValueError(f"cannot {action} {src}: {_one_line(err)}") from err
+
+
+# Kept in float32 whatever the dtype: the state-space decay of Gated DeltaNet and Mamba-2
+# layers (mlx-lm's qwen3_5 and nemotron_h keep it too; its qwen3_next does not say).
+_KEEP_FLOAT32 = ("A_log",)
 
 
 def _cast(model, dtype: mx.Dtype) -> None:
@@ -166,6 +302,8 @@ def _cast(model, dtype: mx.Dtype) -> None:
     cast_predicate = getattr(model, "cast_predicate", lambda _: True)
 
     def set_dtype(k, v):
+        if k.endswith(_KEEP_FLOAT32):
+            return v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
         if cast_predicate(k) and mx.issubdtype(v.dtype, mx.floating):
             return v.astype(dtype)
         return v
@@ -200,18 +338,16 @@ def convert_hf(
     Returns:
         The path of the converted model directory.
     """
-    from mlx_lm.utils import load_config, load_model, load_tokenizer
-    from mlx_lm.utils import quantize_model, save_config, save_model
+    from mlx_lm.utils import load_tokenizer, quantize_model, save_config, save_model
 
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}.")
     out_dir = check_output_dir(out_dir, overwrite)
     src = resolve_hf_source(source, revision)
     check_weights(src)
-    fixes = config_fixes(load_config(src))
 
     with atomic_output_dir(out_dir, overwrite) as tmp:
-        model, config = load_model(src, lazy=True, model_config=fixes)
+        model, config = load_checkpoint(src)
         if dtype is not None:
             _cast(model, _DTYPES[dtype])
             config["torch_dtype"] = dtype

@@ -56,8 +56,10 @@ def check_model_dir(path: Path) -> None:
         raise ValueError(f"{config_path} has no model_type")
     from mlx_lm.utils import _get_classes
 
+    from .converters.hf import mlx_lm_model_type
+
     try:
-        _get_classes({"model_type": model_type})
+        _get_classes({"model_type": mlx_lm_model_type(model_type)})
     except (ValueError, ImportError):
         raise ValueError(f"unsupported architecture {model_type!r} in {config_path}") from None
 
@@ -174,14 +176,13 @@ def load(
     from . import _blas
 
     _blas.preload_openblas()
-    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import load_tokenizer
+
+    from .converters.hf import load_checkpoint
 
     model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
     check_model_dir(model_dir)
-    try:
-        return mlx_lm_load(str(model_dir))
-    except (ValueError, RuntimeError) as err:  # e.g. missing or misshapen weights
-        message = str(err)
-        if len(message) > 400:
-            message = message[:400] + " ..."
-        raise ValueError(f"cannot load {model_dir}: {message}") from None
+    # mlx_lm.load, with the config read as transformers 5 writes it (a Hugging Face directory
+    # of a hybrid model loads as it converts); missing or misshapen weights are one line.
+    model, config = load_checkpoint(model_dir, lazy=False, action="load")
+    return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
