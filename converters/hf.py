@@ -234,6 +234,24 @@ def _one_line(err: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def _fuse_experts(weights: Dict[str, mx.array], num_experts: int) -> Dict[str, mx.array]:
+    """Per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` -> the fused
+    ``experts.gate_up_proj`` / ``experts.down_proj`` of published Qwen3.5-MoE checkpoints."""
+    prefixes = sorted(
+        k[: -len(".experts.0.gate_proj.weight")]
+        for k in weights
+        if k.endswith(".mlp.experts.0.gate_proj.weight") and not k.startswith("mtp.")
+    )
+    for p in prefixes:
+        gate, up, down = (
+            mx.stack([weights.pop(f"{p}.experts.{e}.{n}_proj.weight") for e in range(num_experts)])
+            for n in ("gate", "up", "down")
+        )
+        weights[f"{p}.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=-2)
+        weights[f"{p}.experts.down_proj"] = down
+    return weights
+
+
 def _model_classes(config: Dict[str, Any]):
     """mlx-lm's classes, with sanitize fixed where it cannot tell published names from its own.
 
@@ -242,10 +260,23 @@ def _model_classes(config: Dict[str, Any]):
     transformers' layout would keep its (channels, 1, kernel) convolutions and
     its zero-centred norms. Such a checkpoint is recognised by the convolution
     shape instead, and gets the same transformation the MoE path applies.
+
+    mlx-lm's qwen3_5_moe sanitize reads the experts fused, as Qwen publishes
+    them; transformers 5 saves them one by one (``save_pretrained`` of a
+    fine-tune), so those are fused first.
     """
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
+    if config.get("model_type") == "qwen3_5_moe":
+
+        class Qwen3_5MoeModel(model_class):
+            def sanitize(self, weights):
+                n = self.language_model.args.num_experts
+                return super().sanitize(_fuse_experts(dict(weights), n))
+
+        Qwen3_5MoeModel.__name__ = Qwen3_5MoeModel.__qualname__ = model_class.__name__
+        return Qwen3_5MoeModel, args_class
     if config.get("model_type") != "qwen3_next":
         return model_class, args_class
 

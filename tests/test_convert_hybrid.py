@@ -5,10 +5,12 @@ The checkpoints are tiny random models built with transformers' own classes and 
 ``save_pretrained``: that is the published layout (``linear_attn.in_proj_qkvz``, per-expert
 ``mlp.experts.N.*``, ``conv1d.weight`` as (channels, 1, kernel), ``A_log``, ``dt_bias``,
 zero-centred norms, ``model.language_model.*`` and ``model.visual.*`` for Qwen3.5,
-``backbone.*`` for Nemotron-H), not mlx-lm's sanitized names. The published checkpoints also
-carry multi-token-prediction weights (``mtp.*``), added here. Two cases rewrite config.json the
-way the hub's files spell it (written by older transformers or NVIDIA's remote code) instead of
-the way transformers 5 saves it. Weights are re-drawn at a scale where every block matters, so
+``backbone.*`` for Nemotron-H), not mlx-lm's sanitized names. Qwen3.5-MoE is published with
+its experts fused (``mlp.experts.gate_up_proj``), transformers' in-memory layout, while
+transformers 5.24's save_pretrained writes them one by one: both are cases. The published
+checkpoints also carry multi-token-prediction weights (``mtp.*``), added here. Two cases
+rewrite config.json the way the hub's files spell it (written by older transformers or NVIDIA's
+remote code) instead of the way transformers 5 saves it. Weights are re-drawn at a scale where every block matters, so
 a norm convention, a convolution layout or an attention period that is wrong moves the logits
 far beyond the tolerance.
 
@@ -82,6 +84,19 @@ def _qwen3_5(vision=True):
     return Qwen3_5ForConditionalGeneration(config)
 
 
+def _qwen3_5_moe():
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = {k: v for k, v in QWEN_TEXT.items() if k != "intermediate_size"}
+    text.update(rope_parameters=MROPE, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    tiny_vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                       out_hidden_size=32, patch_size=4, num_position_embeddings=16)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=tiny_vision,
+                              tie_word_embeddings=False)
+    return Qwen3_5MoeForConditionalGeneration(config)
+
+
 def _nemotron_h():
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -123,14 +138,36 @@ def _nemotron_h_config_as_published(config):
     return config
 
 
+def _save_pretrained(model, path):
+    model.save_pretrained(str(path))
+
+
+def _save_fused_experts(model, path):
+    """Qwen3.5-MoE as Qwen publishes it: experts fused (``mlp.experts.gate_up_proj``, (experts,
+    2 * intermediate, hidden)), which is transformers' in-memory layout; its save_pretrained
+    writes them one by one (the other case)."""
+    from safetensors.torch import save_file
+
+    _save_pretrained(model, path)  # config.json and generation_config.json
+    for f in path.glob("model*.safetensors*"):
+        f.unlink()
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+# name: (build, write, rewrite config.json, add mtp.* tensors)
 CASES = {
-    "qwen3_next": (_qwen3_next, None, True),
-    "qwen3_next-published-config": (_qwen3_next, _qwen3_next_config_as_published, True),
-    "qwen3_next-dense": (lambda: _qwen3_next(experts=0), None, False),
-    "qwen3_5": (_qwen3_5, None, True),
-    "qwen3_5-text-only": (lambda: _qwen3_5(vision=False), None, False),
-    "nemotron_h": (_nemotron_h, None, False),
-    "nemotron_h-published-config": (_nemotron_h, _nemotron_h_config_as_published, False),
+    "qwen3_next": (_qwen3_next, _save_pretrained, None, True),
+    "qwen3_next-published-config": (
+        _qwen3_next, _save_pretrained, _qwen3_next_config_as_published, True),
+    "qwen3_next-dense": (lambda: _qwen3_next(experts=0), _save_pretrained, None, False),
+    "qwen3_5": (_qwen3_5, _save_pretrained, None, True),
+    "qwen3_5-text-only": (lambda: _qwen3_5(vision=False), _save_pretrained, None, False),
+    "qwen3_5_moe": (_qwen3_5_moe, _save_fused_experts, None, True),
+    "qwen3_5_moe-experts-one-by-one": (_qwen3_5_moe, _save_pretrained, None, False),
+    "nemotron_h": (_nemotron_h, _save_pretrained, None, False),
+    "nemotron_h-published-config": (
+        _nemotron_h, _save_pretrained, _nemotron_h_config_as_published, False),
 }
 
 
@@ -181,12 +218,12 @@ def one_cpu_thread():
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
     """(published-layout directory, transformers' logits on IDS)."""
-    build, rewrite_config, mtp = CASES[request.param]
+    build, write, rewrite_config, mtp = CASES[request.param]
     torch.manual_seed(0)
     model = build()
     _randomize(model, seed=1)
     path = tmp_path_factory.mktemp("hf") / request.param
-    model.save_pretrained(str(path))
+    write(model, path)
     if mtp:
         _add_mtp(path, QWEN_TEXT["hidden_size"])
     if rewrite_config:
@@ -228,9 +265,13 @@ def test_published_layout_is_what_the_test_writes(checkpoint):
         if "dense" not in path.name:
             assert "model.layers.0.mlp.experts.3.up_proj.weight" in names
             assert "model.layers.1.mlp.shared_expert_gate.weight" in names
-    if path.name == "qwen3_5":
+    if path.name.startswith("qwen3_5") and "text-only" not in path.name:
         assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
         assert any(n.startswith("model.visual.") for n in names)
+    if path.name == "qwen3_5_moe":
+        assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names
+    if path.name == "qwen3_5_moe-experts-one-by-one":
+        assert "model.language_model.layers.0.mlp.experts.3.gate_proj.weight" in names
     if "nemotron_h" in path.name:
         assert "backbone.layers.0.mixer.in_proj.weight" in names
         assert "backbone.layers.4.mixer.experts.0.up_proj.weight" in names
@@ -267,7 +308,7 @@ def test_half_precision_keeps_the_decay_in_float32(checkpoint, tmp_path, dtype):
     """`--dtype bfloat16/float16` casts the weights but not A_log (mlx-lm's qwen3_next, unlike its
     qwen3_5 and nemotron_h, does not keep it in float32 itself)."""
     path, reference = checkpoint
-    if path.name not in ("qwen3_next", "qwen3_next-dense", "nemotron_h"):
+    if path.name not in ("qwen3_next", "qwen3_next-dense", "qwen3_5_moe", "nemotron_h"):
         pytest.skip("Gated DeltaNet with and without experts, and Mamba-2")
     out = convert(path, tmp_path / "half", dtype=dtype)
     model, _ = mlxspec.load(out)
@@ -276,7 +317,8 @@ def test_half_precision_keeps_the_decay_in_float32(checkpoint, tmp_path, dtype):
     params = dict(tree_flatten(model.parameters()))
     decays = [k for k in params if k.endswith("A_log")]
     assert decays and all(params[k].dtype == mx.float32 for k in decays)
-    assert params["lm_head.weight"].dtype == getattr(mx, dtype)
+    head = next(k for k in params if k.endswith("lm_head.weight"))
+    assert params[head].dtype == getattr(mx, dtype)
     if mx.default_device() == mx.cpu and any("switch_mlp" in k for k in params):
         return  # MLX's CPU gather_mm (the experts) is float32-only
     logits = np.array(model(mx.array(IDS)).astype(mx.float32))
@@ -344,6 +386,9 @@ BROKEN = {
     "qwen3_5": ("wrong-conv-shape", dict(edit_weights=_reshape(
         "model.language_model.layers.0.linear_attn.conv1d.weight")),
         "language_model.model.layers.0.linear_attn.conv1d.weight"),
+    "qwen3_5_moe-experts-one-by-one": ("missing-expert", dict(edit_weights=_drop(
+        "model.language_model.layers.1.mlp.experts.2.down_proj.weight")),
+        "missing 'model.language_model.layers.1.mlp.experts.2.down_proj.weight'"),
     "nemotron_h": ("missing-A_log", dict(edit_weights=_drop("backbone.layers.3.mixer.A_log")),
                    "backbone.layers.3.mixer.A_log"),
     "qwen3_5-text-only": ("aperiodic-layer-types", dict(edit_config=_layer_types),
