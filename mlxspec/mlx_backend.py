@@ -49,8 +49,8 @@ def is_recurrent(cache) -> bool:
 
 # Where mlx-lm's hybrid layers keep the module that updates a recurrent state: Gated DeltaNet
 # (qwen3_next, qwen3_5), Mamba-2 (nemotron_h's `mixer`, also its attention and MLP blocks' name,
-# granitemoehybrid and falcon_h1's `mamba`).
-_STATE_MIXERS = ("linear_attn", "mixer", "mamba")
+# granitemoehybrid's `mamba`), gated short convolutions (lfm2's `conv`).
+_STATE_MIXERS = ("linear_attn", "mixer", "mamba", "conv")
 
 
 def state_mixers(model) -> list[tuple[object, str]]:

@@ -5,7 +5,7 @@ made wrong, for every j in 0..K-1 and for none wrong (j = K), over several K and
 kind of target cache the project runs: mlx-lm's KVCache, a RotatingKVCache whose window the
 generation outgrows (drafts shrink at its edge, then stop), a PromptCache reused from an earlier
 call, the recurrent ArraysCache of hybrid models beside their KVCache (Gated DeltaNet in Qwen3-Next
-and Qwen3.5, Mamba-2 in Nemotron-H), and transformers' DynamicCache on the torch backend. Each step then accepts exactly j
+and Qwen3.5, Mamba-2 in Nemotron-H, short convolutions in LFM2), and transformers' DynamicCache on the torch backend. Each step then accepts exactly j
 drafts and rolls back the rest, so the output must be plain greedy decoding (computed outside the
 loop, token by token) and the stats must be exactly the ones the planting implies.
 """
@@ -13,7 +13,7 @@ loop, token by token) and the stats must be exactly the ones the planting implie
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
-from tiny_models import tiny_llama, tiny_nemotron_h, tiny_qwen3_5, tiny_qwen3_next
+from tiny_models import tiny_lfm2, tiny_llama, tiny_nemotron_h, tiny_qwen3_5, tiny_qwen3_next
 
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget, PromptCache
@@ -138,7 +138,7 @@ def test_torch_dynamic_cache(target, prompt, tmp_path):
     check_every_planting(lambda: TorchTarget(twin, speculative=True), prompt, reference)
 
 
-HYBRIDS = [tiny_qwen3_next, tiny_qwen3_5, tiny_nemotron_h]
+HYBRIDS = [tiny_qwen3_next, tiny_qwen3_5, tiny_nemotron_h, tiny_lfm2]
 
 
 def whole_model_rollback(model):

@@ -72,3 +72,20 @@ def tiny_nemotron_h(vocab: int = 32, seed: int = 0):
     model = nemotron_h.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+def tiny_lfm2(vocab: int = 32, seed: int = 0):
+    """mlx-lm's LFM2: gated short-convolution layers (ArraysCache: a convolution window only)
+    between attention layers."""
+    from mlx_lm.models import lfm2
+
+    mx.random.seed(seed)
+    args = lfm2.ModelArgs(
+        model_type="lfm2", vocab_size=vocab, hidden_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=32, block_multiple_of=8,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, block_ff_dim=64,
+        layer_types=["conv", "full_attention", "conv", "full_attention"])
+    model = lfm2.Model(args)
+    mx.eval(model.parameters())
+    return model
