@@ -1,10 +1,19 @@
-"""What rolling back a hybrid target costs, against the verify pass it undoes.
+"""What rolling back a hybrid target costs, against the verify pass it undoes, per mechanism.
 
 A random mlx-lm qwen3_5 target shaped like a small real one (hidden 1024, 16 layers, 3 of 4
 Gated DeltaNet), 257 tokens of context. For each K and number of rejected drafts: the verify pass
-(launch + read), then the rollback (MLXTarget.trim, evaluated): the recurrent layers' state
-updates run again on the kept positions' recorded inputs, or (--whole) the kept tokens through
-the whole model. Medians of 5 after one warm-up.
+(launch + read), then the rollback (MLXTarget.trim, evaluated), by each of mlxspec's mechanisms:
+
+  tape     the pass keeps each Gated DeltaNet layer's state after every position and its
+           convolution input; the rollback selects them at the last kept position (the default
+           where the recurrence runs position by position, as on the CPU)
+  re-run   the rollback restores the states from before the pass and runs the recurrent layers'
+           state updates again on the kept positions' recorded inputs (the default under a fused
+           Metal kernel, and for Mamba-2 and short-convolution layers)
+  whole    the kept tokens through the whole model (the fallback for unknown state modules)
+
+A step is verify + rollback; peak memory is mx.get_peak_memory() over the step, weights
+included. Medians of 5 after one warm-up.
 
     .venv/bin/python benchmarks/hybrid_rollback_cost.py
 """
@@ -25,15 +34,24 @@ CONFIG = dict(model_type="qwen3_5", vocab_size=32000, hidden_size=1024, num_hidd
               linear_num_value_heads=16, linear_num_key_heads=8, linear_key_head_dim=64,
               linear_value_head_dim=64, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
               max_position_embeddings=4096, full_attention_interval=4)
+MECHANISMS = ("tape", "re-run", "whole")
 
 
-def measure(model, k: int, rejected: int, *, layers_only: bool, repeats: int = 5):
+def target_with(model, mechanism: str) -> MLXTarget:
     target = MLXTarget(model, speculative=True)
-    if not layers_only:
-        target._mixers = []  # the fallback: the kept tokens through the whole model
+    if mechanism != "tape":
+        target._taped = []
+    if mechanism == "whole":
+        target._mixers = []
+    return target
+
+
+def measure(model, k: int, rejected: int, mechanism: str, repeats: int = 5):
+    target = target_with(model, mechanism)
     target.prefill(list(range(1, 258)))
-    verify, rollback = [], []
+    verify, rollback, peaks = [], [], []
     for _ in range(repeats + 1):
+        mx.reset_peak_memory()
         start = time.perf_counter()
         target.launch(7, Draft(tokens=list(range(9, 9 + k))), SamplingConfig()).verdict()
         read = time.perf_counter()
@@ -41,7 +59,8 @@ def measure(model, k: int, rejected: int, *, layers_only: bool, repeats: int = 5
         mx.eval([c.state for c in target.cache])
         verify.append(read - start)
         rollback.append(time.perf_counter() - read)
-    return statistics.median(verify[1:]), statistics.median(rollback[1:])
+        peaks.append(mx.get_peak_memory())
+    return statistics.median(verify[1:]), statistics.median(rollback[1:]), max(peaks)
 
 
 def main():
@@ -49,14 +68,16 @@ def main():
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(CONFIG))
     mx.eval(model.parameters())
     print(f"BLAS: {mlxspec.blas_in_use()}")
-    print("| K | rejected | verify ms | layers' re-run ms (share) | whole re-run ms (share) |")
-    print("|---|---|---|---|---|")
+    print("| K | rejected | " + " | ".join(
+        f"{m}: verify ms, rollback ms (share), peak MB" for m in MECHANISMS) + " |")
+    print("|---|---|" + "---|" * len(MECHANISMS))
     for k in (1, 4, 8, 16):
         for rejected in sorted({k, max(1, k // 2)}):
-            v1, r1 = measure(model, k, rejected, layers_only=True)
-            v0, r0 = measure(model, k, rejected, layers_only=False)
-            print(f"| {k} | {rejected} | {v1 * 1e3:.1f} | {r1 * 1e3:.1f} ({r1 / v1:.0%}) | "
-                  f"{r0 * 1e3:.1f} ({r0 / v0:.0%}) |")
+            cells = []
+            for mechanism in MECHANISMS:
+                v, r, peak = measure(model, k, rejected, mechanism)
+                cells.append(f"{v * 1e3:.1f}, {r * 1e3:.1f} ({r / v:.0%}), {peak / 2**20:.0f}")
+            print(f"| {k} | {rejected} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -11,19 +11,21 @@ layout; both engines load those files. 256 tokens of context, then for K = 1, 4,
   baseline  the same pass with the kernels the engine's verify pass runs: ours = plain; mlx-vlm
             outside a transaction but with the per-token gated-delta loop its tape runs on
   verify    the pass as the engine runs it while speculating (ours: MLXTarget.launch + verdict,
-            recording the recurrent layers' inputs; mlx-vlm: _dflash_verify, which opens a cache
+            recording the recurrent layers' inputs and, on the CPU, keeping the Gated DeltaNet
+            states of every position (mlxspec.state_tape); mlx-vlm: _dflash_verify, which opens a cache
             transaction so the gated-delta step writes the state after every token), with the
             greedy acceptance argmax and the captured layers' features, as the DFlash loops do
   capture   verify - baseline: what making the pass undoable costs during it
   rollback  after a verify pass, keeping 1 + K - rejected positions (ours: MLXTarget.trim, which
-            restores the snapshot and re-runs only the recurrent layers' state updates on the
-            kept positions; mlx-vlm: commit_speculative_round, which picks the recorded state at
-            the accepted position), then evaluating every cache state
+            on the CPU selects the recorded state and convolution window at the last kept
+            position; mlx-vlm: commit_speculative_round, which picks the recorded state at the
+            accepted position), then evaluating every cache state
   cost      capture (if positive) + rollback, also as a share of verify: the issue's goal is at
             most 10% at K = 16, and no more than mlx-vlm's
   peak MB   mx.get_peak_memory() during one more verify + rollback (all rejected), untimed, above
-            the memory in use before it: mlx-vlm's holds its per-token states (K x value heads x
-            Dv x Dk floats per Gated DeltaNet layer), ours the recorded layer inputs (K x hidden)
+            the memory in use before it: both hold per-token states (K x value heads x Dv x Dk
+            floats per Gated DeltaNet layer; ours on the CPU), ours also the recorded layer
+            inputs (K x hidden)
 
 Plain, baseline and verify + rollback run in turn each repeat (load on a shared machine hits them
 alike); medians of --repeats after one warm-up. mlx-vlm runs in its own venv (--peer-python, default
@@ -135,15 +137,16 @@ def measure_ours(model_dir: Path, ks, context: int, repeats: int) -> dict:
         return [c.state for c in target.cache]
 
     def timed_pass(target, k, record: bool) -> float:
-        mixers = target._mixers
+        mixers, taped = target._mixers, target._taped
         if not record:
-            target._mixers = []  # nothing recorded (a rollback would re-run the whole model)
+            # nothing recorded and no state tape (a rollback would re-run the whole model)
+            target._mixers, target._taped = [], []
         start = time.perf_counter()
         try:
             target.launch(PENDING, Draft(tokens=list(range(FIRST_DRAFT, FIRST_DRAFT + k))),
                           greedy).verdict()
         finally:
-            target._mixers = mixers
+            target._mixers, target._taped = mixers, taped
         return time.perf_counter() - start
 
     def undo(target, saved, k) -> None:

@@ -9,6 +9,7 @@ from .acceptance import accept_greedy, accept_sampled
 from .engine import Draft, Pass, common_prefix_length
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
 from .sampling import SamplingConfig, sample_token
+from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
 
 
 def model_setting(model, name: str):
@@ -95,7 +96,11 @@ class MLXTarget:
         # and running its kept tokens again (the attention layers' caches are cut back first).
         self._recurrent = [c for c in self.cache if is_recurrent(c)]
         self._mixers = state_mixers(model) if self._recurrent else []
-        self._last_pass = None  # (recurrent states before it, its input tokens, mixer replays)
+        # Where the recurrence runs position by position anyway, Gated DeltaNet layers keep every
+        # position's state during the pass and a rollback selects (mlxspec.state_tape).
+        self._taped = [] if fused_kernel_would_run() else tape_modules(
+            [getattr(layer, name) for layer, name in self._mixers])
+        self._last_pass = None  # (states before it, its input tokens, mixer replays, tape)
         if speculative:
             bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
             if bad:
@@ -143,10 +148,10 @@ class MLXTarget:
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
         undoable = bool(drafts.size and self._recurrent)  # a rejection restores, then re-runs
         states = [list(c.cache) for c in self._recurrent] if undoable else None
-        with record_inputs(self._mixers if undoable else []) as calls:
+        with (record_inputs(self._mixers if undoable else []) as calls,
+              state_tape(self._taped if undoable else []) as tape):
             logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
-        if undoable:
-            self._last_pass = (states, inputs, self._replays(calls))
+        self._last_pass = (states, inputs, self._replays(calls), tape) if undoable else None
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
         elif sampling.greedy:
@@ -177,19 +182,23 @@ class MLXTarget:
             for c in self.cache:
                 c.trim(n)
             return
-        states, inputs, replays = self._last_pass
+        states, inputs, replays, tape = self._last_pass
         for c, state in zip(self._recurrent, states):
             c.cache = list(state)
         keep = inputs.size - n
         if replays is not None:
             # Causal layers: the kept positions' inputs to each recurrent layer are the ones the
             # pass recorded, so only those layers' state updates run again (lazily: their outputs,
-            # the other layers and the head are never computed); attention caches drop n.
+            # the other layers and the head are never computed), or a layer the tape followed
+            # takes the state it recorded at the last kept position; attention caches drop n.
             for c in self.cache:
                 if not is_recurrent(c):
                     c.trim(n)
             for module, x, c in replays:
-                module(x[:, :keep], mask=None, cache=c)
+                if id(module) in tape:
+                    select(c, *tape[id(module)], keep)
+                else:
+                    module(x[:, :keep], mask=None, cache=c)
             return
         for c in self.cache:
             if not is_recurrent(c):

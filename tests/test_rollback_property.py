@@ -141,44 +141,75 @@ def test_torch_dynamic_cache(target, prompt, tmp_path):
 HYBRIDS = [tiny_qwen3_next, tiny_qwen3_5, tiny_nemotron_h, tiny_lfm2]
 
 
-def whole_model_rollback(model):
-    """A target that knows no state module of the model: a rejection runs the kept tokens
-    through the whole model (the fallback for a hybrid whose recurrent layers are unknown)."""
+GATED_DELTANET = (tiny_qwen3_next, tiny_qwen3_5)
+MECHANISMS = ("default", "re-run", "whole")
+
+
+def hybrid_target(model, mechanism: str) -> MLXTarget:
+    """A target rolling back by `mechanism`: its default (a state tape for Gated DeltaNet layers
+    on the CPU, else re-running the recurrent layers), re-running the recurrent layers on the
+    kept positions, or the kept tokens through the whole model (the fallback for a hybrid whose
+    state modules are unknown)."""
     target = MLXTarget(model, speculative=True)
-    target._mixers = []
+    if mechanism != "default":
+        target._taped = []
+    if mechanism == "whole":
+        target._mixers = []
     return target
+
+
+def rollbacks_seen(target) -> list:
+    """What each rollback of `target` had recorded: (states, inputs, replays, tape)."""
+    seen, trim = [], target.trim
+
+    def spy(n):
+        if n > 0:
+            seen.append(target._last_pass)
+        trim(n)
+
+    target.trim = spy
+    return seen
 
 
 @pytest.mark.parametrize("build", HYBRIDS)
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_hybrid_recurrent_and_attention_caches(build, prompt):
-    """Gated DeltaNet and Mamba-2 layers keep a convolution window and a recurrent state: a
-    rejected draft is undone by restoring them from before the pass and running its kept tokens
-    again, through the recurrent layers only or (the fallback) the whole model."""
+    """Gated DeltaNet, Mamba-2 and short-convolution layers keep a convolution window and/or a
+    recurrent state: a rejected draft is undone by selecting the state the pass recorded at the
+    last kept position, or by restoring the state from before the pass and running the kept
+    tokens again, through the recurrent layers only or (the fallback) the whole model."""
     model = build(vocab=VOCAB, seed=3)
     reference = mlx_reference(model, prompt, lambda: make_prompt_cache(model))
-    check_every_planting(lambda: MLXTarget(model, speculative=True), prompt, reference,
+    check_every_planting(lambda: hybrid_target(model, "default"), prompt, reference,
                          overlaps=(True, False))
-    check_every_planting(lambda: whole_model_rollback(model), prompt, reference)
+    for mechanism in MECHANISMS[1:]:
+        check_every_planting(lambda: hybrid_target(model, mechanism), prompt, reference)
 
 
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("build", HYBRIDS)
-def test_hybrid_state_after_rollback_equals_a_fresh_prefill(build):
+def test_hybrid_state_after_rollback_equals_a_fresh_prefill(build, mechanism):
     """After a generation full of rejected drafts, every layer's state (convolution window,
     recurrent state, attention keys and values) is the one a fresh prefill of the committed
-    tokens builds, with only the recurrent layers run again (Nemotron-H too, whose cache list
-    skips its MLP blocks)."""
+    tokens builds, by each mechanism; the default one never runs the whole model (Nemotron-H
+    included, whose cache list skips its MLP blocks), and on the CPU Gated DeltaNet layers
+    roll back from their state tape alone."""
     model = build(vocab=VOCAB, seed=4)
     prompt = [1, 2, 3, 4, 5]
     full = prompt + mlx_reference(model, prompt, lambda: make_prompt_cache(model))
-    target = MLXTarget(model, speculative=True)
+    target = hybrid_target(model, mechanism)
+    seen = rollbacks_seen(target)
     out = list(speculative_tokens(target, PlantedDrafter(full, 1), prompt,
                                   sampling=SamplingConfig(), max_tokens=N, num_draft=4,
                                   stats=SpecStats()))
     committed = prompt + [t for t, _ in out]
     fresh = make_prompt_cache(model)
     model(mx.array(committed[:-1])[None], cache=fresh)
-    assert target._last_pass[2] is not None, "rolled back through the whole model"
+    assert seen, "no draft was ever rejected"
+    if mechanism != "whole":
+        assert all(replays is not None for _, _, replays, _ in seen), "ran the whole model"
+    taped = mechanism == "default" and build in GATED_DELTANET
+    assert all(len(tape) == len(target._recurrent) for *_, tape in seen) == taped
     for ours, theirs in zip(target.cache, fresh):
         if hasattr(theirs, "offset"):
             assert ours.offset == theirs.offset == len(committed) - 1
@@ -188,6 +219,25 @@ def test_hybrid_state_after_rollback_equals_a_fresh_prefill(build):
             pairs = list(zip(ours.cache, theirs.cache))
         for a, b in pairs:
             assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_state_tape_puts_mlx_lm_back_even_when_the_pass_fails():
+    """The tape swaps mlx-lm's gated-delta update and each layer's convolution for one pass:
+    afterwards (also after an exception inside the pass) they are mlx-lm's own again."""
+    from mlx_lm.models import gated_delta, qwen3_5
+
+    from mlxspec.state_tape import state_tape, tape_modules
+
+    model = tiny_qwen3_5(vocab=VOCAB, seed=2)
+    modules = tape_modules([layer.linear_attn for layer in model.language_model.model.layers
+                            if hasattr(layer, "linear_attn")])
+    assert modules and all("conv1d" not in vars(m) for m in modules)
+    with pytest.raises(RuntimeError, match="in the pass"):
+        with state_tape(modules):
+            assert qwen3_5.gated_delta_update is not gated_delta.gated_delta_update
+            raise RuntimeError("in the pass")
+    assert qwen3_5.gated_delta_update is gated_delta.gated_delta_update
+    assert all("conv1d" not in vars(m) for m in modules)
 
 
 @pytest.mark.parametrize("build", [tiny_qwen3_next, tiny_qwen3_5])
