@@ -3,7 +3,7 @@
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
 from .engine import Draft, Pass, common_prefix_length
@@ -33,10 +33,16 @@ def vocab_size(model) -> int:
 
 
 def untrimmable_caches(cache: list) -> list[str]:
-    """Names of cache types that can never roll back (mlx-lm's ArraysCache for SSM layers...)."""
+    """Names of cache kinds that can never be cut back, e.g. falcon_h1's CacheList holding a
+    Mamba state beside keys and values in one layer (recurrent layers of their own roll back
+    by other means, see MLXTarget)."""
     names = []
     for c in cache:
-        if not hasattr(c, "trim") or type(c).__name__ in ("ArraysCache", "MambaCache"):
+        if isinstance(c, CacheList):
+            if untrimmable_caches(c.caches) or any(is_recurrent(m) for m in c.caches):
+                inner = ", ".join(type(m).__name__ for m in c.caches)
+                names.append(f"{type(c).__name__}({inner})")
+        elif not hasattr(c, "trim") or is_recurrent(c):
             names.append(type(c).__name__)
     return sorted(set(names))
 

@@ -347,6 +347,20 @@ def test_cli_convert_then_lossless_lookup(checkpoint, tmp_path):
     assert int(re.search(r"drafted: (\d+)", spec.stderr)[1]) > 0, spec.stderr
 
 
+def test_torch_backend_refuses_a_converted_hybrid_in_one_line(checkpoint, tmp_path):
+    """A converted directory holds mlx-lm's names and shapes, which transformers would partly
+    leave as initialised (random) or fail on with a traceback: one line naming what to load."""
+    path, _ = checkpoint
+    out = tmp_path / "converted"
+    assert CliRunner().invoke(main, ["convert", str(path), "-o", str(out)]).exit_code == 0
+    result = CliRunner().invoke(main, ["generate", "--no-chat-template", "-n", "4", "-p", PROMPT,
+                                       "--model", str(out), "--backend", "torch"])
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert "Hugging Face checkpoint directory" in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "LOAD REPORT" not in result.output, result.output
+
+
 def _broken_copy(src, dst, edit_weights=None, edit_config=None):
     from safetensors.numpy import load_file, save_file
 

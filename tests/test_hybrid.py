@@ -78,3 +78,37 @@ def test_api_chat_turns_on_a_hybrid_target_keep_the_state(hybrid_dir):
     before = cache.cache
     list(mlxspec.stream_generate(model, tokenizer, diverging, 4, prompt_cache=cache))
     assert cache.cache is not before  # rebuilt: a recurrent state cannot be cut back
+
+
+def test_bench_runs_on_a_hybrid_target(hybrid_dir, tmp_path):
+    """`mlxspec bench` measures what verifying n tokens costs by undoing each pass: a recurrent
+    state is put back rather than trimmed (it used to fail with "'ArraysCache' object has no
+    attribute 'trim'")."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(hybrid_dir), "--drafters", "none,lookup", "--suite", "copy",
+        "--limit", "1", "-n", "8", "--no-mlx-lm", "--no-llama-cpp", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["verify_cost"]) == {"1", "2", "4", "8", "16"}
+    assert report["verify_cost"]["1"] == 1.0
+
+
+def test_a_dflash_drafter_for_another_hybrid_is_refused_naming_both_sides(tmp_path):
+    """A z-lab-style drafter config for a Qwen3.5 target is checked against the hybrid target it
+    is given (hidden size, layer count, layer ids, mask token), before any compute."""
+    from test_dflash import drafter_config, random_weights, save_drafter
+    from tiny_models import tiny_qwen3_5
+
+    from mlxspec.drafters.dflash import load_dflash_drafter
+
+    model = tiny_qwen3_5(vocab=64, seed=1)
+    config = drafter_config(vocab=64, hidden=32, target_layers=6, num_hidden_layers=1,
+                            layer_types=["full_attention"], block_size=4, mask_token_id=70,
+                            target_layer_ids=[0, 5])
+    path = save_drafter(tmp_path, config, random_weights(config))
+    with pytest.raises(ValueError) as refused:
+        load_dflash_drafter(path, model=model)
+    message = str(refused.value)
+    for part in ("num_target_layers 6, target has 4", "[5]", "mask_token_id: drafter 70"):
+        assert part in message, message

@@ -288,3 +288,16 @@ def test_torch_sliding_window_cache(prompt):
             ids.append(reference[-1])
     check_every_planting(lambda: TorchTarget(model, speculative=True), prompt, reference,
                          window=WINDOW - 1)
+
+
+def test_a_cache_that_cannot_roll_back_is_refused_by_name():
+    """falcon_h1 keeps a Mamba state and keys and values in one CacheList per layer: neither a
+    trim nor a restore of that layer alone can undo a pass, so a drafter is refused, naming it."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+
+    model = tiny_llama(vocab=VOCAB, seed=1)
+    layers = [CacheList(ArraysCache(size=2), KVCache()), KVCache()]
+    with pytest.raises(ValueError, match=r"CacheList\(ArraysCache, KVCache\).*--drafter none"):
+        MLXTarget(model, cache=layers, speculative=True)
+    MLXTarget(model, cache=[CacheList(KVCache(), KVCache()), KVCache()], speculative=True)
+    MLXTarget(model, cache=layers)  # plain decoding needs no rollback

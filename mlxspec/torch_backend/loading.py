@@ -1,5 +1,7 @@
 """Load a converted model directory with transformers, on a chosen device and dtype."""
 
+import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,6 +51,55 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return torch.float32
 
 
+_LAYOUT_HINT = ("a hybrid model that mlxspec converted is in mlx-lm's layout: give --backend torch "
+                "its Hugging Face checkpoint directory")
+
+
+@contextmanager
+def quiet_transformers():
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def check_size_against_files(model_dir: Path) -> None:
+    """transformers allocates the model its config describes before it reads a weight; a config
+    it reads otherwise than mlx-lm does (a converted text-only Qwen3.5's flat settings become
+    its default sizes) would allocate many GB, so the sizes are compared first, on the meta
+    device."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(str(model_dir))
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)
+    except (KeyError, ValueError) as err:  # an architecture transformers does not know
+        raise ValueError(f"transformers cannot load {model_dir}: {one_line(err)}") from None
+    wanted = sum(p.numel() for p in skeleton.parameters())
+    held = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                held += math.prod(f.get_slice(name).get_shape())
+    if wanted > 2 * held + 10**6:
+        raise ValueError(
+            f"to transformers {model_dir}/config.json describes a model of {wanted / 1e6:,.1f}M "
+            f"parameters, but its weights hold {held / 1e6:,.1f}M; {_LAYOUT_HINT}"
+        )
+
+
 def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype):
     """A transformers causal LM from a converted (dense, HF-named) directory, for inference."""
     from transformers import AutoModelForCausalLM
@@ -59,10 +110,23 @@ def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype)
             f"{model_dir} holds MLX-quantized weights, which the torch backend cannot read; "
             "convert the model without --quantize (dense weights)"
         )
+    check_size_against_files(Path(model_dir))
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        with quiet_transformers():  # its load report would come before our one line
+            model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                               output_loading_info=True)
     except (KeyError, ValueError) as err:  # an architecture transformers does not know
         raise ValueError(f"transformers cannot load {model_dir}: {err}") from None
+    except RuntimeError as err:  # e.g. a tensor of another shape
+        raise ValueError(f"transformers cannot load {model_dir}: {one_line(err)}; {_LAYOUT_HINT}"
+                         ) from None
+    unread = list(info.get("missing_keys") or []) + [
+        str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or []]
+    if unread:  # transformers would run those weights as initialised: random
+        raise ValueError(
+            f"{model_dir} lacks {len(unread)} weight(s) transformers' {type(model).__name__} "
+            f"needs (e.g. {sorted(unread)[0]}); {_LAYOUT_HINT}"
+        )
     model.requires_grad_(False)
     return model.to(device).eval()
 
