@@ -14,18 +14,37 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence
 
 from .sampling import SamplingConfig
+from .tree import TreeShape
 
 
 @dataclass
 class Draft:
     """Up to K proposed tokens. `probs` is the drafter's distribution p per token, (K, V); None
-    means the drafter is deterministic (one-hot p)."""
+    means the drafter is deterministic (one-hot p).
+
+    A tree of drafts also has `parents` (node i's parent is parents[i - 1]; 0 is the pending
+    token), and `probs` then holds, per node 0..K, the distribution its children were drawn
+    from, (K + 1, V)."""
 
     tokens: Any  # list[int] on the host, or a backend array of shape (K,)
     probs: Any = None
+    parents: tuple[int, ...] | None = None
 
     def __len__(self):
         return len(self.tokens) if isinstance(self.tokens, list) else int(self.tokens.shape[0])
+
+    def first_chain(self) -> "Draft":
+        """The tree's branch of first children as a chain, for a target that cannot verify a
+        tree (a recurrent state, a sliding window)."""
+        shape = TreeShape(self.parents)
+        nodes = shape.first_chain()
+        rows = [0] + nodes[:-1]  # each chain token was drawn from its parent's distribution
+        if isinstance(self.tokens, list):
+            tokens = [self.tokens[n - 1] for n in nodes]
+        else:
+            tokens = self.tokens[[n - 1 for n in nodes]] if nodes else self.tokens[:0]
+        probs = None if self.probs is None or not nodes else self.probs[rows]
+        return Draft(tokens=tokens, probs=probs)
 
 
 EMPTY_DRAFT = Draft(tokens=[])
@@ -39,9 +58,12 @@ class Verdict:
     accepted: int
     next_token: int
     features: Any = None  # target hidden states of the newly committed positions, if asked for
+    branch: list[int] | None = None  # a tree's committed nodes (1-based, root to leaf)
 
     @property
     def committed(self) -> list[int]:
+        if self.branch is not None:
+            return [self.draft_tokens[n - 1] for n in self.branch] + [self.next_token]
         return self.draft_tokens[: self.accepted] + [self.next_token]
 
 
@@ -51,16 +73,22 @@ class Pass:
     the target and the acceptance rule. `verdict()` is its one host sync."""
 
     num_draft: int
-    packed: Any  # device (num_draft + 2,): the drafts, the accepted count, the next token
+    packed: Any  # device: the drafts, a tree's path (path_slots), the accepted count, next token
     next_token: Any  # device scalar: the pending token of a plain pass queued right after this
     features: Any  # device (num_draft + 1, H * layers), or None
+    path_slots: int | None = None  # a tree's: nodes from the root, left-padded with the root
 
     def verdict(self) -> Verdict:
         host = self.packed.tolist()  # waits for the pass: its one host sync (MLX or torch alike)
-        accepted = host[-2]
-        features = self.features[: accepted + 1] if self.features is not None else None
-        return Verdict(draft_tokens=host[:-2], accepted=accepted, next_token=host[-1],
-                       features=features)
+        accepted, drafts = host[-2], host[: self.num_draft]
+        branch, rows = None, slice(0, accepted + 1)
+        if self.path_slots is not None:
+            path = host[self.num_draft : self.num_draft + self.path_slots]
+            branch = path[len(path) - accepted :] if accepted else []
+            rows = [0] + branch
+        features = self.features[rows] if self.features is not None else None
+        return Verdict(draft_tokens=drafts, accepted=accepted, next_token=host[-1],
+                       features=features, branch=branch)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -85,7 +113,17 @@ class Target(Protocol):
         may be a queued plain pass, whose next token is then read on the device."""
         ...
 
-    def trim(self, n: int) -> None: ...
+    def trim(self, n: int) -> None:
+        """Drop the last n positions of the cache (a queued pass's drafts)."""
+        ...
+
+    def settle(self, verdict: Verdict) -> None:
+        """Keep what a pass committed: the accepted drafts of a chain, the branch of a tree."""
+        ...
+
+    def holds_trees(self) -> bool:
+        """Whether a pass may verify a tree of drafts (else the loop sends its first chain)."""
+        ...
 
     def rollback_room(self) -> int | None:
         """How many positions a pass may add to the cache and still be cut back exactly (None:
@@ -141,6 +179,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     plain_fallback_steps: int = 0  # steps run without drafts: the cache could not roll them back
+    chain_fallback_steps: int = 0  # trees verified as their first chain: the cache holds no tree
     # Where the loop's time went: queuing passes (drafting, building and dispatching graphs) and
     # waiting for their results; the rest is the loop's and its caller's own host work.
     launch_seconds: float = 0.0
@@ -305,6 +344,8 @@ def speculative_tokens(
     def launch(k: int, pending: "int | Pass | None" = None) -> Pass:
         start = time.perf_counter()
         draft = drafter.propose(tokens, k, sampling) if k > 0 else EMPTY_DRAFT
+        if draft.parents is not None and not target.holds_trees():
+            draft, stats.chain_fallback_steps = draft.first_chain(), stats.chain_fallback_steps + 1
         queued = target.launch(tokens[-1] if pending is None else pending, draft, sampling)
         stats.launch_seconds += time.perf_counter() - start
         return queued
@@ -322,7 +363,7 @@ def speculative_tokens(
             verdict = step.verdict()
             step, now = queued, time.perf_counter()
             stats.wait_seconds += now - waited
-            target.trim(len(verdict.draft_tokens) - verdict.accepted)
+            target.settle(verdict)
             new = verdict.committed[: max_tokens - produced]
             stop = next((i for i, t in enumerate(new) if t in stop_tokens), None)
             new = new if stop is None else new[: stop + 1]

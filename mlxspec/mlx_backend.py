@@ -6,10 +6,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
-from .engine import Draft, Pass, common_prefix_length
+from .engine import Draft, Pass, Verdict, common_prefix_length
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
 from .sampling import SamplingConfig, sample_token
 from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
+from .tree import TreeShape
+from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
+from .tree_pass import holds_trees, keep_branch, tree_pass
 
 
 def model_setting(model, name: str):
@@ -115,9 +118,9 @@ class MLXTarget:
                     f"model uses {', '.join(bad)}, which cannot. Use --drafter none."
                 )
 
-    def _forward(self, tokens: mx.array):
+    def _forward(self, tokens: mx.array, cache: list | None = None):
         with capture_layer_outputs(self.model, self.capture_layers) as hidden:
-            logits = self.model(tokens[None], cache=self.cache)
+            logits = self.model(tokens[None], cache=self.cache if cache is None else cache)
         features = concat_features(hidden)[0] if hidden else None
         return logits[0], features
 
@@ -152,6 +155,8 @@ class MLXTarget:
         else:
             head = mx.array([pending], dtype=mx.int32)
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
+        if draft.parents is not None:
+            return self._launch_tree(inputs, drafts, draft, sampling)
         undoable = bool(drafts.size and self._recurrent)  # a rejection restores, then re-runs
         states = [list(c.cache) for c in self._recurrent] if undoable else None
         with (record_inputs(self._mixers if undoable else []) as calls,
@@ -164,11 +169,38 @@ class MLXTarget:
             accepted, next_token = accept_greedy(logits, drafts)
         else:
             accepted, next_token = accept_sampled(logits, drafts, draft.probs, sampling)
+        return self._queue(drafts, None, accepted, next_token, features)
+
+    def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
+        """One pass over a tree of drafts: every node sees its ancestors only (tree_pass)."""
+        shape = TreeShape(draft.parents)
+        self._tree_at = self.offset  # where the pending token goes: the branch is kept after it
+        with tree_pass(self.model, self.cache, shape) as cache:
+            logits, features = self._forward(inputs, cache)  # (N+1, V), (N+1, H*n)
+        if sampling.greedy:
+            accepted, next_token, path = accept_tree_greedy(logits, drafts, shape)
+        else:
+            accepted, next_token, path = accept_tree_sampled(logits, drafts, shape, draft.probs,
+                                                             sampling)
+        return self._queue(drafts, path, accepted, next_token, features)
+
+    @staticmethod
+    def _queue(drafts, path, accepted, next_token, features) -> Pass:
         next_token = next_token.astype(mx.int32)
-        packed = mx.concatenate([drafts, accepted.astype(mx.int32)[None], next_token[None]])
+        parts = [drafts] + ([path.astype(mx.int32)] if path is not None else [])
+        packed = mx.concatenate(parts + [accepted.astype(mx.int32)[None], next_token[None]])
         mx.async_eval(packed, *([features] if features is not None else []))
         return Pass(num_draft=drafts.size, packed=packed, next_token=next_token,
-                    features=features)
+                    features=features, path_slots=None if path is None else path.size)
+
+    def settle(self, verdict: Verdict) -> None:
+        if verdict.branch is None:
+            self.trim(len(verdict.draft_tokens) - verdict.accepted)
+        else:
+            keep_branch(self.cache, self._tree_at, verdict.branch)
+
+    def holds_trees(self) -> bool:
+        return holds_trees(self.cache)
 
     def _replays(self, calls: list) -> list | None:
         """The recorded calls that updated a recurrent cache, one per such cache; None when they

@@ -7,60 +7,18 @@ row is the target's distribution after the path to it). A chain is the tree whos
 still reads back one packed array.
 """
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import mlx.core as mx
 
 from .sampling import SamplingConfig, processed_logprobs
+from .tree import TreeShape
 
 
-@dataclass(frozen=True)
-class TreeShape:
-    """The topology of a draft tree, known on the host: `parents[i - 1]` is node i's parent."""
-
-    parents: tuple[int, ...]
-
-    def __post_init__(self):
-        bad = [i + 1 for i, p in enumerate(self.parents) if not 0 <= p <= i]
-        if bad:
-            raise ValueError(f"tree nodes {bad} have a parent that does not come before them")
-
-    @classmethod
-    def chain(cls, k: int) -> "TreeShape":
-        return cls(tuple(range(k)))
-
-    @property
-    def size(self) -> int:
-        """Drafts in the tree (the pending token not counted)."""
-        return len(self.parents)
-
-    @cached_property
-    def depth(self) -> tuple[int, ...]:
-        """Depth of nodes 0..N (the pending token is at 0)."""
-        depth = [0]
-        for p in self.parents:
-            depth.append(depth[p] + 1)
-        return tuple(depth)
-
-    @cached_property
-    def children(self) -> tuple[tuple[int, ...], ...]:
-        """Children of nodes 0..N, in the order they are tried."""
-        children = [[] for _ in range(self.size + 1)]
-        for i, p in enumerate(self.parents, start=1):
-            children[p].append(i)
-        return tuple(tuple(c) for c in children)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depth)
-
-    def device_arrays(self):
-        """(parent of each node 0..N, root its own; depth; children padded with -1)."""
-        width = max((len(c) for c in self.children), default=0) or 1
-        table = [list(c) + [-1] * (width - len(c)) for c in self.children]
-        return (mx.array((0,) + self.parents, dtype=mx.int32), mx.array(self.depth, dtype=mx.int32),
-                mx.array(table, dtype=mx.int32))
+def device_arrays(shape: TreeShape):
+    """(parent of each node 0..N, the root its own; depth; children padded with -1)."""
+    width = max((len(c) for c in shape.children), default=0) or 1
+    table = [list(c) + [-1] * (width - len(c)) for c in shape.children]
+    return (mx.array((0,) + shape.parents, dtype=mx.int32),
+            mx.array(shape.depth, dtype=mx.int32), mx.array(table, dtype=mx.int32))
 
 
 def _path_to(node: mx.array, parents: mx.array, max_depth: int) -> mx.array:
@@ -79,7 +37,7 @@ def accept_tree_greedy(logits: mx.array, tokens: mx.array, shape: TreeShape):
     and the next token is the target's argmax there. `path` lists the branch's nodes from the
     root, left-padded with the root to max_depth + 1 entries.
     """
-    parents, depth, _ = shape.device_arrays()
+    parents, depth, _ = device_arrays(shape)
     targets = mx.argmax(logits, axis=-1)
     match = mx.concatenate([mx.array([True]), tokens == targets[parents[1:]]])
     kept = match
@@ -102,7 +60,7 @@ def accept_tree_sampled(logits: mx.array, tokens: mx.array, shape: TreeShape,
     is kept the next token is drawn from what is left of q, and past a leaf from the target's q.
     The output is distributed exactly as the target's own sampling.
     """
-    parents, depth, children = shape.device_arrays()
+    parents, depth, children = device_arrays(shape)
     q_all = mx.exp(processed_logprobs(logits, sampling))  # (N+1, V)
     p_all = None if draft_probs is None else draft_probs.astype(mx.float32)
     vocab = q_all.shape[-1]

@@ -16,7 +16,8 @@ import pytest
 from scipy import stats as scipy_stats
 
 from mlxspec.sampling import SamplingConfig
-from mlxspec.tree_acceptance import TreeShape, accept_tree_greedy, accept_tree_sampled
+from mlxspec.tree import TreeShape
+from mlxspec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 3000
 SAMPLING = SamplingConfig(temp=1.0)

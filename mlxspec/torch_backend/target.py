@@ -272,6 +272,12 @@ class TorchTarget:
                    logits_to_keep=1)
         self._last_pass = None
 
+    def settle(self, verdict) -> None:
+        self.trim(len(verdict.draft_tokens) - verdict.accepted)
+
+    def holds_trees(self) -> bool:
+        return False
+
     def rollback_room(self) -> int | None:
         """A sliding-window layer (DynamicSlidingWindowLayer) keeps its last window - 1 positions:
         a pass crops back exactly only while the positions it adds fit beside what it holds."""

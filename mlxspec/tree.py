@@ -1,0 +1,55 @@
+"""Draft trees, on the host: their shape, and the chain a target that cannot verify a tree
+verifies instead. Backend-neutral (the loop imports it); the acceptance math is per backend."""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The topology of a draft tree, known on the host: `parents[i - 1]` is node i's parent."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        bad = [i + 1 for i, p in enumerate(self.parents) if not 0 <= p <= i]
+        if bad:
+            raise ValueError(f"tree nodes {bad} have a parent that does not come before them")
+
+    @classmethod
+    def chain(cls, k: int) -> "TreeShape":
+        return cls(tuple(range(k)))
+
+    @property
+    def size(self) -> int:
+        """Drafts in the tree (the pending token not counted)."""
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        """Depth of nodes 0..N (the pending token is at 0)."""
+        depth = [0]
+        for p in self.parents:
+            depth.append(depth[p] + 1)
+        return tuple(depth)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Children of nodes 0..N, in the order they are tried."""
+        children = [[] for _ in range(self.size + 1)]
+        for i, p in enumerate(self.parents, start=1):
+            children[p].append(i)
+        return tuple(tuple(c) for c in children)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    def first_chain(self) -> list[int]:
+        """Nodes of the branch of first children from the root: each node's first child is the
+        drafter's best guess there."""
+        nodes, node = [], 0
+        while self.children[node]:
+            node = self.children[node][0]
+            nodes.append(node)
+        return nodes

@@ -1,0 +1,193 @@
+"""Trees of drafts through the one loop on MLX: one target pass scores every node with its
+ancestors only, the committed branch's keys and values are kept in order, the output is plain
+decoding's (greedy) or the target's distribution (sampled, chi-squared), and a cache that cannot
+hold a tree verifies the tree's first chain instead."""
+
+import itertools
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from scipy import stats as scipy_stats
+from tiny_models import tiny_llama, tiny_qwen3_next
+
+from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
+from mlxspec.mlx_backend import MLXTarget
+from mlxspec.sampling import SamplingConfig, processed_logprobs
+from mlxspec.tree import TreeShape
+from mlxspec.tree_pass import tree_pass
+
+VOCAB, N = 24, 14
+SHAPE = TreeShape((0, 0, 0, 1, 1, 4, 2, 6))  # 3 children at the root, depth 4 under the first
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab=VOCAB, seed=21, sharpness=8.0)
+
+
+def paths(shape: TreeShape) -> list[list[int]]:
+    """Nodes from the root to each node (the root's own path is empty)."""
+    out = [[]]
+    for node, parent in enumerate(shape.parents, start=1):
+        out.append(out[parent] + [node])
+    return out
+
+
+def test_each_node_is_scored_after_its_own_branch(target):
+    """A node's logits in the tree pass are the target's after context + the node's branch."""
+    context = [3, 1, 4, 1, 5, 9, 2]
+    tokens = [7, 8, 9, 10, 11, 12, 13, 14]
+    cache = make_prompt_cache(target)
+    target(mx.array(context[:-1])[None], cache=cache)
+    with tree_pass(target, cache, SHAPE) as view:
+        logits = target(mx.array([context[-1]] + tokens)[None], cache=view)[0]
+    for node, branch in enumerate(paths(SHAPE)):
+        sequence = context + [tokens[n - 1] for n in branch]
+        alone = target(mx.array(sequence)[None])[0, -1]
+        assert mx.allclose(logits[node], alone, atol=1e-4).item(), node
+
+
+def greedy_reference(model, prompt, n=N):
+    ids, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(mx.argmax(model(mx.array(ids)[None])[0, -1]).item()))
+        ids.append(out[-1])
+    return out
+
+
+class PlantedTreeDrafter(Drafter):
+    """A tree of SHAPE whose branch through `branch_leaf` holds the true continuation with the
+    token at depth `wrong` (1-based) made wrong, every other node a wrong token."""
+
+    name = "planted-tree"
+
+    def __init__(self, full, branch_leaf: int, wrong: int | None):
+        self.full, self.leaf, self.wrong = full, branch_leaf, wrong
+
+    def propose(self, tokens, k, sampling):
+        shape = TreeShape(SHAPE.parents[:k])  # the first k nodes: still a tree
+        on_branch = set(paths(SHAPE)[self.leaf])
+        drafts = []
+        for node in range(1, shape.size + 1):
+            depth = shape.depth[node]
+            true = self.full[len(tokens) + depth - 1] if len(tokens) + depth - 1 < len(
+                self.full) else 0
+            right = node in on_branch and depth != self.wrong
+            drafts.append(true if right else (true + 1 + node) % VOCAB)
+        return Draft(tokens=drafts, parents=shape.parents)
+
+
+@pytest.mark.parametrize("leaf", [5, 8, 3])
+@pytest.mark.parametrize("wrong", [None, 1, 2, 3])
+def test_greedy_output_is_plain_decoding_and_the_cache_holds_the_branch(target, leaf, wrong):
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    reference = greedy_reference(target, prompt)
+    full = prompt + reference
+    model_target = MLXTarget(target, speculative=True)
+    stats = SpecStats()
+    out = [t for t, _ in speculative_tokens(
+        model_target, PlantedTreeDrafter(full, leaf, wrong), prompt, sampling=SamplingConfig(),
+        max_tokens=N, num_draft=SHAPE.size, stats=stats)]
+    assert out == reference
+    depth = SHAPE.depth[leaf]
+    want = depth if wrong is None else min(depth, wrong - 1)
+    assert stats.accepted >= want and stats.chain_fallback_steps == 0
+    committed = prompt + out
+    fresh = make_prompt_cache(target)
+    target(mx.array(committed[:-1])[None], cache=fresh)
+    for ours, theirs in zip(model_target.cache, fresh):
+        held = theirs.offset
+        assert ours.offset == held == len(committed) - 1
+        assert mx.allclose(ours.keys[..., :held, :], theirs.keys[..., :held, :], atol=1e-4).item()
+        assert mx.allclose(ours.values[..., :held, :], theirs.values[..., :held, :],
+                           atol=1e-4).item()
+
+
+def test_a_hybrid_target_verifies_the_first_chain_and_says_so():
+    model = tiny_qwen3_next(vocab=VOCAB, seed=3)
+    prompt = [1, 2, 3, 4, 5]
+    reference = greedy_reference(model, prompt)
+    stats = SpecStats()
+    out = [t for t, _ in speculative_tokens(
+        MLXTarget(model, speculative=True), PlantedTreeDrafter(prompt + reference, 5, None),
+        prompt, sampling=SamplingConfig(), max_tokens=N, num_draft=SHAPE.size, stats=stats)]
+    assert out == reference
+    assert stats.chain_fallback_steps > 0 and stats.accepted > 0
+
+
+# ---- sampled: the target's distribution, exactly ----------------------------------------------
+
+SMALL_VOCAB, LENGTH, PROMPT, SAMPLES = 5, 3, [0, 1], 2000
+SAMPLING = SamplingConfig(temp=0.8, top_p=0.95)
+BINARY = TreeShape((0, 0, 1, 1, 2, 2))
+
+
+class TableTreeDrafter(Drafter):
+    """Trees of BINARY from a fixed distribution p: children drawn from it independently
+    (sampled) or its top tokens in order (deterministic)."""
+
+    def __init__(self, sampled: bool):
+        self.sampled = sampled
+        logits = np.random.default_rng(5).normal(size=SMALL_VOCAB)
+        self.p = np.exp(logits) / np.exp(logits).sum()
+        self.rng = np.random.default_rng(6)
+
+    def propose(self, tokens, k, sampling):
+        shape = TreeShape(BINARY.parents[:k])  # the first k nodes: still a tree
+        order = list(np.argsort(-self.p))
+        drafts = [int(self.rng.choice(SMALL_VOCAB, p=self.p)) if self.sampled
+                  else int(order[shape.children[parent].index(node)])
+                  for node, parent in enumerate(shape.parents, start=1)]
+        probs = mx.array(np.tile(self.p, (shape.size + 1, 1)), dtype=mx.float32)
+        return Draft(tokens=drafts, parents=shape.parents, probs=probs if self.sampled else None)
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return tiny_llama(vocab=SMALL_VOCAB, seed=11, sharpness=2.5)
+
+
+def exact_distribution(model):
+    probs = {}
+    for seq in itertools.product(range(SMALL_VOCAB), repeat=LENGTH):
+        logq = processed_logprobs(model(mx.array(PROMPT + list(seq))[None])[0], SAMPLING)
+        probs[seq] = float(np.exp(sum(logq[len(PROMPT) - 1 + i, seq[i]].item()
+                                      for i in range(LENGTH))))
+    return probs
+
+
+def tree_pvalue(small_target, sampled):
+    mx.random.seed(99)
+    drafter, counts = TableTreeDrafter(sampled), Counter()
+    stats = SpecStats()
+    for _ in range(SAMPLES):  # generations long enough for the first pass to verify all BINARY
+        out = speculative_tokens(MLXTarget(small_target, speculative=True), drafter, PROMPT,
+                                 sampling=SAMPLING, max_tokens=BINARY.size + 1,
+                                 num_draft=BINARY.size, stats=stats)
+        counts[tuple(t for t, _ in out)[:LENGTH]] += 1
+    assert stats.drafted >= SAMPLES * BINARY.size and stats.accepted > 0
+    exact = exact_distribution(small_target)
+    expected = np.array([exact[s] for s in exact])
+    expected = expected / expected.sum() * SAMPLES
+    observed = np.array([counts.get(s, 0) for s in exact])
+    big = expected >= 5
+    return scipy_stats.chisquare(np.append(observed[big], observed[~big].sum()),
+                                   np.append(expected[big], expected[~big].sum())).pvalue
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
+def test_sampled_trees_keep_the_target_distribution(small_target, sampled):
+    assert tree_pvalue(small_target, sampled) > 1e-3
+
+
+def test_a_biased_tree_rule_fails_the_same_test(small_target, monkeypatch):
+    """The engine-level test has power: a rule that draws the next token from the target's q
+    where the branch ends, not from what the rejections left of it, is caught."""
+    import mlxspec.mlx_backend as mlx_backend
+    from test_tree_acceptance import wrong_rule
+
+    monkeypatch.setattr(mlx_backend, "accept_tree_sampled", wrong_rule)
+    assert tree_pvalue(small_target, sampled=False) < 1e-4
