@@ -1,6 +1,7 @@
 """Draft trees, on the host: their shape, and the chain a target that cannot verify a tree
 verifies instead. Backend-neutral (the loop imports it); the acceptance math is per backend."""
 
+import heapq
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -53,3 +54,26 @@ class TreeShape:
             node = self.children[node][0]
             nodes.append(node)
         return nodes
+
+
+def best_first_tree(logprobs: list[list[float]], budget: int) -> tuple[list[int], TreeShape]:
+    """DDTree's construction, best-first over independent per-depth candidates, such as
+    one DFlash block's slots: `logprobs[d][r]` is the r-th best token's log-probability at depth
+    d + 1, best first. Grows the `budget` nodes of highest path log-probability (a node's score
+    is its parent's plus its own) from the root: a node's first child is its rank-0
+    candidate, so the tree's first chain is the chain of argmaxes. Returns each node's rank at
+    its depth, and the shape."""
+    ranks, parents = [], []
+    frontier = [(-logprobs[0][0], 0, 0, 0)] if budget > 0 and logprobs and logprobs[0] else []
+    while frontier and len(ranks) < budget:
+        neg_score, parent, depth, rank = heapq.heappop(frontier)
+        ranks.append(rank)
+        parents.append(parent)
+        node = len(ranks)
+        score = -neg_score
+        if rank + 1 < len(logprobs[depth]):  # the next sibling: same parent, next candidate
+            sibling = score - logprobs[depth][rank] + logprobs[depth][rank + 1]
+            heapq.heappush(frontier, (-sibling, parent, depth, rank + 1))
+        if depth + 1 < len(logprobs):  # the first child: the next depth's best candidate
+            heapq.heappush(frontier, (-(score + logprobs[depth + 1][0]), node, depth + 1, 0))
+    return ranks, TreeShape(tuple(parents))  # numbered as added: parents before children

@@ -440,3 +440,23 @@ def test_corrupt_config_json_refused_naming_the_file(target, tmp_path, content, 
             call()
         assert str(err.value) == expected
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("budget", [1, 6, 20])
+def test_ddtree_drafts_are_lossless(target, drafter_dir, prompt, budget):
+    """DDTree: each block's slots' best tokens grown into a tree of `budget` nodes; the tree
+    is verified in one pass and the output is plain decoding's."""
+    plain, _ = run(target, Drafter(), prompt)
+    drafter = load_dflash_drafter(drafter_dir, model=target, tree_budget=budget, tree_width=3)
+    assert drafter.max_draft == drafter.default_num_draft == budget
+    out, stats = run(target, drafter, prompt, k=budget)
+    assert out == plain
+    assert stats.drafted > 0 and stats.chain_fallback_steps == 0
+
+
+@pytest.mark.parametrize("options", [dict(tree_budget=0), dict(tree_budget=2.5),
+                                     dict(tree_budget=4, tree_width=0)])
+def test_bad_tree_options_refused(target, drafter_dir, options):
+    with pytest.raises(ValueError, match="tree"):
+        load_dflash_drafter(drafter_dir, model=target, **options)

@@ -16,7 +16,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from mlxspec.sampling import SamplingConfig
-from mlxspec.tree import TreeShape
+from mlxspec.tree import TreeShape, best_first_tree
 from mlxspec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 3000
@@ -137,3 +137,24 @@ def test_a_tree_shape_lists_parents_before_children():
     shape = TreeShape((0, 0, 1))
     assert shape.depth == (0, 1, 1, 2) and shape.children == ((1, 2), (3,), (), ())
     assert TreeShape.chain(3).parents == (0, 1, 2)
+
+
+def test_best_first_tree_grows_the_most_probable_branches():
+    """By hand: the argmax chain first, then the best sibling; and on random candidates the
+    nodes kept are exactly the `budget` branches of highest log-probability (every branch's
+    score falls along it, so those form a tree)."""
+    ranks, shape = best_first_tree([[-0.1, -2.5], [-0.2, -1.0], [-0.3]], budget=4)
+    assert ranks == [0, 0, 0, 1] and shape.parents == (0, 1, 2, 1)
+    assert shape.first_chain() == [1, 2, 3]
+    rng = np.random.default_rng(0)
+    for budget in (1, 5, 12, 39, 60):
+        logprobs = [sorted(np.log(rng.dirichlet(np.ones(3)))[::-1].tolist(), reverse=True)
+                    for _ in range(3)]
+        ranks, shape = best_first_tree(logprobs, budget)
+        branches = [()]
+        for node, (parent, rank) in enumerate(zip(shape.parents, ranks), start=1):
+            branches.append(branches[parent] + (rank,))
+        every = [b for d in (1, 2, 3) for b in itertools.product(range(3), repeat=d)]
+        score = {b: sum(logprobs[d][r] for d, r in enumerate(b)) for b in every}
+        best = sorted(every, key=lambda b: -score[b])[: min(budget, len(every))]
+        assert sorted(branches[1:]) == sorted(best)

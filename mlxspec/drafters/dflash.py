@@ -4,8 +4,9 @@ Each step the block [pending token, MASK x n] sits at positions len(tokens)-1 ..
 the target features of every earlier position, kept as K/V in the drafter's cache. Drafts are the
 argmax of each slot (one-hot p), so sampled acceptance stays lossless through accept_sampled's
 one-hot rule; sampling each slot independently makes incoherent blocks (z-lab PR #169).
-After verification the features of the newly committed positions extend the cache. Nothing here
-reads a value back to the host: drafting joins the target's one evaluation per step.
+After verification the features of the newly committed positions extend the cache. A chain
+reads nothing back to the host: drafting joins the target's one evaluation per step. A tree
+(DDTree, `tree_budget`) reads each slot's best tokens first, since its shape depends on them.
 """
 
 import json
@@ -25,6 +26,7 @@ from ..models.dflash import (
     read_weights,
 )
 from ..sampling import SamplingConfig
+from ..tree import best_first_tree
 
 
 class DFlashDrafter(Drafter):
@@ -40,11 +42,18 @@ class DFlashDrafter(Drafter):
         final_norm=None,
         target_layers: int | None = None,
         draft_vocab=None,
+        tree_budget: int | None = None,
+        tree_width: int = 4,
     ):
         self.model = model
         self.args = model.args
         self.block_size = check_block_size(block_size, self.args.block_size)
         self.default_num_draft = self.max_draft = self.block_size - 1
+        # DDTree: a tree of up to `tree_budget` nodes grown best-first from each slot's
+        # `tree_width` best tokens, instead of the chain of each slot's best.
+        self.tree_budget, self.tree_width = check_tree(tree_budget, tree_width)
+        if self.tree_budget is not None:
+            self.default_num_draft = self.max_draft = self.tree_budget
         self.capture_layers = tuple(self.args.target_layer_ids)
         self.embed_tokens = embed_tokens
         # Drafts come from `draft_vocab`'s head rows only when given (their logits are all a
@@ -120,13 +129,35 @@ class DFlashDrafter(Drafter):
         num_draft = min(k, self.block_size - 1)
         if num_draft < 1:
             return EMPTY_DRAFT
+        if self.tree_budget is not None:
+            return self._propose_tree(tokens, num_draft, k)
         drafts = mx.argmax(self.block_logits(tokens, num_draft), axis=-1)
         if self.draft_ids is not None:
             drafts = self.draft_ids[drafts]
         return Draft(tokens=drafts.astype(mx.int32))
 
+    def _propose_tree(self, tokens: list[int], slots: int, budget: int) -> Draft:
+        """The block's slots' best tokens, read to the host (the tree's shape depends on their
+        probabilities), grown into the `budget` most probable branches (DDTree)."""
+        logprobs = nn.log_softmax(self.block_logits(tokens, slots).astype(mx.float32), axis=-1)
+        best = mx.argsort(-logprobs, axis=-1)[:, : self.tree_width]
+        ids = best if self.draft_ids is None else self.draft_ids[best]
+        scores, ids = mx.take_along_axis(logprobs, best, axis=-1).tolist(), ids.tolist()
+        ranks, shape = best_first_tree(scores, budget)
+        drafts = [ids[shape.depth[node] - 1][rank] for node, rank in enumerate(ranks, start=1)]
+        return Draft(tokens=drafts, parents=shape.parents)
+
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         self._append(verdict.features)
+
+
+def check_tree(budget: int | None, width: int) -> tuple[int | None, int]:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
+        raise ValueError(f"tree budget must be a positive integer (draft nodes), got {budget!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"tree width must be a positive integer, got {width!r}")
+    return budget, width
 
 
 def check_block_size(block_size: int | None, trained: int) -> int:
@@ -259,7 +290,8 @@ def shipped_drafter_for(model) -> Path | None:
 
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
-                        dtype=None, draft_vocab: bool = True) -> DFlashDrafter:
+                        dtype=None, draft_vocab: bool = True, tree_budget: int | None = None,
+                        tree_width: int = 4) -> DFlashDrafter:
     """Load a DFlash checkpoint for target `model`: a directory with config.json and
     *.safetensors, or a Hub repo id (through the Hugging Face cache; HF_HUB_OFFLINE applies).
 
@@ -268,7 +300,10 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     `dtype`: None runs the checkpoint's dtype, "target" the target's, or an mx.Dtype.
     `draft_vocab`: draft from the checkpoint's draft vocabulary (draft_vocab.json) when it has
     one; False ranks the whole vocabulary.
+    `tree_budget`: draft a tree of up to this many nodes from each block (DDTree), the
+    `tree_width` best tokens of each slot its candidates, instead of a chain.
     """
+    check_tree(tree_budget, tree_width)
     path = Path(path).expanduser()
     if not path.is_dir():
         from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
@@ -299,4 +334,6 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
         final_norm=target_final_norm(model),
         target_layers=len(decoder_layers(model)),
         draft_vocab=vocab,
+        tree_budget=tree_budget,
+        tree_width=tree_width,
     )
