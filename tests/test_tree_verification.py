@@ -191,3 +191,26 @@ def test_a_biased_tree_rule_fails_the_same_test(small_target, monkeypatch):
 
     monkeypatch.setattr(mlx_backend, "accept_tree_sampled", wrong_rule)
     assert tree_pvalue(small_target, sampled=False) < 1e-4
+
+
+def test_lookup_branches_merge_into_one_tree():
+    """Runs that followed different earlier matches share their common prefix; the first run is
+    the first chain; the budget caps the nodes, filled depth by depth."""
+    from mlxspec.drafters.lookup import merged_tree
+
+    draft = merged_tree([[5, 6, 7], [5, 8], [9]], budget=10)
+    assert draft.tokens == [5, 9, 6, 8, 7] and draft.parents == (0, 0, 1, 1, 3)
+    assert TreeShape(draft.parents).first_chain() == [1, 3, 5]
+    assert merged_tree([[5, 6, 7], [5, 8], [9]], budget=3).tokens == [5, 9, 6]
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 4, 1, 2], [7, 7, 7], [3]])
+def test_lookup_with_branches_is_lossless(target, prompt):
+    from mlxspec.drafters.lookup import PromptLookupDrafter
+
+    reference = greedy_reference(target, prompt, 20)
+    stats = SpecStats()
+    out = [t for t, _ in speculative_tokens(
+        MLXTarget(target, speculative=True), PromptLookupDrafter(branches=3), prompt,
+        sampling=SamplingConfig(), max_tokens=20, num_draft=8, stats=stats)]
+    assert out == reference

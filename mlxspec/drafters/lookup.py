@@ -1,8 +1,9 @@
 """Prompt lookup decoding: copy what followed the most recent earlier occurrence of the suffix.
 
-Costs no model call. An index from every n-gram to the latest position it ended at is updated
+Costs no model call. An index from every n-gram to the latest positions it ended at is updated
 incrementally as tokens are committed, so a step costs O(new tokens x n-gram sizes) however long
-the prompt and conversation are.
+the prompt and conversation are. With `branches` > 1 the continuations of several earlier matches
+are proposed together as a tree (shared prefixes merged), verified in one pass.
 """
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
@@ -13,11 +14,13 @@ class PromptLookupDrafter(Drafter):
     name = "lookup"
     default_num_draft = 8
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._index: dict[tuple[int, ...], int] = {}
+        if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+            raise ValueError(f"lookup branches must be a positive integer, got {branches!r}")
+        self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
+        self._index: dict[tuple[int, ...], list[int]] = {}  # latest `branches` ends, oldest first
         self._indexed = 0  # n-grams ending before this position are in the index
 
     def begin(self, prompt, features=None):
@@ -30,24 +33,57 @@ class PromptLookupDrafter(Drafter):
         for end in range(self._indexed, len(tokens) - 1):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end + 1 >= n:
-                    self._index[tuple(tokens[end + 1 - n : end + 1])] = end
+                    ends = self._index.setdefault(tuple(tokens[end + 1 - n : end + 1]), [])
+                    ends.append(end)
+                    del ends[: -self.branches]
         self._indexed = max(self._indexed, len(tokens) - 1)
+
+    def continuations(self, tokens: list[int], k: int) -> list[list[int]]:
+        """Up to `branches` different runs of up to k tokens that followed earlier matches of the
+        suffix: the longest n-gram's latest match first, then older and shorter ones."""
+        self._extend_index(tokens)
+        found = []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) < n:
+                continue
+            for end in reversed(self._index.get(tuple(tokens[-n:]), [])):
+                copied = tokens[end + 1 : end + 1 + k]
+                if copied and copied not in found:
+                    found.append(copied)
+                if len(found) == self.branches:
+                    return found
+        return found
 
     def continuation(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier match of the longest suffix n-gram
         found, or [] when no n-gram of the suffix appeared before."""
-        self._extend_index(tokens)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(tokens) < n:
-                continue
-            end = self._index.get(tuple(tokens[-n:]))
-            if end is not None:
-                return tokens[end + 1 : end + 1 + k]
-        return []
+        found = self.continuations(tokens, k)
+        return found[0] if found else []
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
-        copied = self.continuation(tokens, k)
-        return Draft(tokens=copied) if copied else EMPTY_DRAFT
+        found = self.continuations(tokens, k)
+        if len(found) > 1:
+            return merged_tree(found, k)
+        return Draft(tokens=found[0]) if found else EMPTY_DRAFT
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         pass
+
+
+def merged_tree(runs: list[list[int]], budget: int) -> Draft:
+    """The runs as one tree of at most `budget` nodes, shared prefixes merged: filled depth by
+    depth, the earlier run first at each depth, so the first run is the tree's first chain and
+    every run gets its first tokens before any gets its last."""
+    tokens, parents, node_of = [], [], {}
+    for depth in range(max(len(run) for run in runs)):
+        for run in runs:
+            if depth >= len(run) or len(tokens) == budget:
+                continue
+            prefix = tuple(run[:depth])
+            if prefix and prefix not in node_of:
+                continue  # its prefix did not fit
+            if prefix + (run[depth],) not in node_of:
+                tokens.append(run[depth])
+                parents.append(node_of.get(prefix, 0))
+                node_of[prefix + (run[depth],)] = len(tokens)
+    return Draft(tokens=tokens, parents=tuple(parents))
