@@ -1,0 +1,202 @@
+"""Read an EAGLE-3 drafter checkpoint in either published layout and check it against a target.
+
+Layouts (models/eagle3.py reads both configs into one `Eagle3Config`):
+  speculators (vLLM, RedHat's *.speculator.eagle3): config.json with transformer_layer_config,
+      draft_vocab_size, target_hidden_size, norm_before_residual, norm_before_fc,
+      eagle_aux_hidden_state_layer_ids, speculators_config; weights `layers.0.*`.
+  SpecForge/SGLang (and EAGLE's own release): a flat Llama config.json with architectures
+      LlamaForCausalLMEagle3, draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids;
+      weights `midlayer.*` (SGLang also accepts a `model.` prefix).
+Both: `fc` (num_aux x H_t -> H, no bias), `norm`, `lm_head` over the draft vocabulary, `d2t`
+(target id = draft id + d2t[draft id]); `embed_tokens` optional (the target's when absent);
+`t2d`, verifier_* (speculators' training copies of the target's norm and head) and any other
+unused tensor are ignored. Only *.safetensors files are read.
+
+Every check raises one line: config against target (`check_against_target`) before the
+weights are read, then names and shapes, then d2t against the target's vocabulary.
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..file_checks import read_json_object
+from ..models.dflash import read_weights
+from ..models.eagle3 import Eagle3Config, Eagle3Model
+from .dflash import _dtype_of, target_embedding, target_head, target_sizes
+
+
+def read_config(path: Path) -> Eagle3Config:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; it is not an EAGLE-3 checkpoint")
+    return Eagle3Config.from_dict(read_json_object(config_path))
+
+
+def canonical_name(name: str) -> str:
+    """A tensor name of either layout in the speculators spelling (`layers.0.*`)."""
+    name = name.removeprefix("model.")
+    if name.startswith("midlayer."):
+        name = "layers.0." + name[len("midlayer."):]
+    return name
+
+
+def canonical_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    out = {}
+    for name, value in weights.items():
+        key = canonical_name(name)
+        if key in out:
+            raise ValueError(f"EAGLE-3 checkpoint holds {key} twice (as {name} and another name)")
+        out[key] = value
+    return out
+
+
+def spelled(args: Eagle3Config, text: str) -> str:
+    """`text` with tensor names in the checkpoint's own spelling (SpecForge: midlayer.*)."""
+    return text.replace("layers.0.", "midlayer.") if args.layout == "specforge" else text
+
+
+def build_model(args: Eagle3Config, weights: dict[str, mx.array]) -> tuple[Eagle3Model, dict]:
+    """The model the (canonical) weights describe and the weights it loads; one line naming
+    missing or wrong-shaped tensors. Unused tensors are dropped."""
+    own_embed = "embed_tokens.weight" in weights
+    own_head = "lm_head.weight" in weights
+    model = Eagle3Model(args, own_embed=own_embed, own_head=own_head)
+    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    if args.uses_draft_vocab or "d2t" in weights:
+        expected["d2t"] = (args.draft_vocab_size,)
+    missing = sorted(set(expected) - set(weights))
+    if not own_head and args.uses_draft_vocab:
+        missing.append("lm_head.weight")  # the target's head ranks the whole vocabulary
+    wrong = [
+        f"{n} has shape {tuple(weights[n].shape)}, config.json implies {expected[n]}"
+        for n in sorted(set(expected) & set(weights))
+        if tuple(weights[n].shape) != expected[n]
+    ]
+    if args.layout == "specforge":  # name tensors as the checkpoint spells them
+        missing = [spelled(args, n) for n in missing]
+        wrong = [spelled(args, w) for w in wrong]
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {', '.join(missing)}")
+    if wrong:
+        problems.append("wrong-shaped weights: " + "; ".join(wrong))
+    if "d2t" in weights and not mx.issubdtype(weights["d2t"].dtype, mx.integer):
+        problems.append(f"d2t has dtype {weights['d2t'].dtype}, not an integer type")
+    if problems:
+        raise ValueError(
+            f"EAGLE-3 checkpoint ({args.layout} layout) does not match its config.json (hidden "
+            f"{args.hidden_size}, draft vocab {args.draft_vocab_size} of {args.vocab_size}): "
+            + ". ".join(problems)
+        )
+    return model, {n: w for n, w in weights.items() if n in expected}
+
+
+def check_against_target(args: Eagle3Config, model, *, own_embed: bool | None = None,
+                         own_head: bool | None = None) -> None:
+    """Refuse a drafter trained for another target, naming both sides, before any compute.
+
+    own_embed / own_head: whether the checkpoint carries embed_tokens / lm_head (None: not
+    known yet, e.g. before the weights are read; then only what the config implies is checked).
+    """
+    hidden, vocab, layers = target_sizes(model)
+    problems = []
+    if args.target_hidden_size != hidden:
+        problems.append(f"hidden size: drafter target_hidden_size {args.target_hidden_size}, "
+                        f"target {hidden}")
+    if args.vocab_size != vocab:
+        problems.append(f"vocab size: drafter {args.vocab_size}, target {vocab}")
+    if own_embed is False and args.hidden_size != hidden:
+        problems.append(f"embedding: the drafter has no embed_tokens and its hidden size "
+                        f"{args.hidden_size} differs from the target's {hidden}")
+    if own_head is False and not args.uses_draft_vocab and args.hidden_size != hidden:
+        problems.append(f"LM head: the drafter has no lm_head and its hidden size "
+                        f"{args.hidden_size} differs from the target's {hidden}")
+    capture = args.capture_layers(layers)
+    bad = [i for i in capture if not 0 <= i < layers]
+    if bad:
+        ids = args.aux_layer_ids
+        named = (f"eagle_aux_hidden_state_layer_ids {ids}" if ids is not None
+                 else f"the default layers for {layers} target layers")
+        counting = ("layer outputs" if args.aux_ids_count_outputs or ids is None
+                    else "hidden states, 0 = the embedding")
+        problems.append(
+            f"{named} ({counting}) need target layer outputs {list(capture)}, outside the "
+            f"target's {layers} layers (0-{layers - 1})"
+        )
+    if problems:
+        raise ValueError("EAGLE-3 drafter does not fit this target: " + "; ".join(problems))
+
+
+def check_d2t(args: Eagle3Config, d2t: mx.array | None, vocab: int) -> None:
+    """The target ids d2t maps the draft vocabulary to lie in the target's vocabulary, once each."""
+    if d2t is None:
+        return
+    ids = np.arange(args.draft_vocab_size) + np.array(d2t, dtype=np.int64)
+    outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if outside.size:
+        bad = int(outside[0])
+        raise ValueError(
+            f"EAGLE-3 d2t maps draft id {bad} to target id {int(ids[bad])}, outside the "
+            f"target's vocabulary of {vocab} ({outside.size} draft ids do)"
+        )
+    values, counts = np.unique(ids, return_counts=True)
+    if counts.max() > 1:
+        twice = int(values[np.argmax(counts)])
+        raise ValueError(f"EAGLE-3 d2t maps {int(counts.max())} draft ids to target id {twice}")
+
+
+def resolve(path) -> Path:
+    """A checkpoint directory, or a Hub repo id through the Hugging Face cache."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return path
+    from ..converters.hf import resolve_hf_source  # HF_HUB_OFFLINE applies
+
+    return Path(resolve_hf_source(str(path)))
+
+
+def check_checkpoint(path, model) -> None:
+    """The checkpoint's config.json against the target, before any weight is read (what a
+    drafter registry entry's checkpoint check runs)."""
+    check_against_target(read_config(resolve(path)), model)
+
+
+def load_eagle3_model(path, *, model, dtype=None) -> Eagle3Model:
+    """Read, check against target `model` and load an EAGLE-3 checkpoint directory.
+
+    Order: config.json against the target (sizes, aux layers), then the weights' names and
+    shapes, then d2t against the target's vocabulary; nothing runs before all pass. The
+    returned model embeds with the target's embedding and ranks with the target's head when
+    the checkpoint carries none. `dtype`: None keeps the checkpoint's, "target" the target's,
+    or an mx.Dtype.
+    """
+    path = resolve(path)
+    args = read_config(path)
+    check_against_target(args, model)
+    weights = canonical_weights(read_weights(path))
+    drafter, weights = build_model(args, weights)
+    own_embed, own_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
+    check_against_target(args, model, own_embed=own_embed, own_head=own_head)
+    d2t = weights.pop("d2t", None)
+    check_d2t(args, d2t, target_sizes(model)[1])
+    if dtype == "target":
+        dtype = _dtype_of(target_head(model))
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+                   for k, v in weights.items()}
+    drafter.load_weights(list(weights.items()))
+    drafter.set_d2t(d2t)
+    if not own_embed:
+        drafter.use_embedding(target_embedding(model))
+    if not own_head:  # draft vocabulary == the target's (checked above)
+        if args.tie_word_embeddings:  # SGLang: lm_head is the (drafter's or target's) embedding
+            embed = drafter.embed_tokens if own_embed else target_embedding(model)
+            drafter.use_head(embed.as_linear)
+        else:
+            drafter.use_head(target_head(model))
+    mx.eval(drafter.parameters())
+    drafter.eval()
+    return drafter
