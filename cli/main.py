@@ -8,12 +8,20 @@ from mlxspec import _blas
 
 _blas.preload_openblas()
 
-DRAFTERS = ("none", "lookup", "draft", "dflash", "draft+lookup", "dflash+lookup")
+from mlxspec.drafters import registry  # noqa: E402  (after OpenBLAS is loaded above)
+from mlxspec.loading import BACKENDS  # noqa: E402
 
 
-def _model_kind(drafter: str) -> str:
-    """The model drafter behind a lookup-first drafter ("dflash+lookup" -> "dflash")."""
-    return drafter.removesuffix("+lookup")
+class DrafterChoice(click.Choice):
+    """--drafter's choices, read from the drafter registry when a command runs (a drafter
+    registered after this module was imported is offered too)."""
+
+    def __init__(self):
+        self.case_sensitive = True
+
+    @property
+    def choices(self):
+        return registry.drafter_names()
 
 
 def _fail(err: Exception):
@@ -32,7 +40,7 @@ def model_options(f):
     f = click.option("--device", default=None,
                      help="torch device for --backend torch (default: cuda when available, "
                           "else cpu; bfloat16 on CUDA, float32 on the CPU).")(f)
-    f = click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx",
+    f = click.option("--backend", type=click.Choice(BACKENDS), default="mlx",
                      show_default=True,
                      help="Run on MLX, or on torch (transformers models, for NVIDIA machines).")(f)
     f = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
@@ -46,18 +54,14 @@ def model_options(f):
 
 def decoding_options(f):
     options = [
-        click.option("--drafter", type=click.Choice(DRAFTERS), default="none", show_default=True,
+        click.option("--drafter", type=DrafterChoice(), default="none", show_default=True,
                      help="Source of draft tokens for speculative decoding; X+lookup drafts by "
                           "prompt lookup where it finds a match and by X elsewhere."),
         click.option("--draft-model", "--drafter-model", "draft_model", default=None,
-                     help="Draft model (same tokenizer) for --drafter draft, or a DFlash "
-                          "drafter checkpoint for --drafter dflash (and their +lookup forms)."),
-        click.option("--block-size", type=int, default=None,
-                     help="DFlash block size (2 .. the checkpoint's; default: the checkpoint's)."),
-        click.option("--draft-vocab/--full-vocab", default=True, show_default=True,
-                     help="DFlash: draft from the checkpoint's draft vocabulary (draft_vocab.json, "
-                          "the tokens it was trained to rank) when it has one, or from the full "
-                          "vocabulary. Output is the same either way."),
+                     help="The checkpoint of a model drafter (and of its +lookup form): "
+                          + "; ".join(f"--drafter {k.name}: {_checkpoint_help(k)}"
+                                      for k in registry.model_drafters()) + "."),
+        *_drafter_option_flags(),
         click.option("--num-draft", "-k", type=int, default=None,
                      help="Drafts per step (default: the drafter's own)."),
         click.option("--adaptive/--fixed-k", default=True, show_default=True,
@@ -78,9 +82,22 @@ def decoding_options(f):
     return f
 
 
-def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None,
-                    draft_vocab=True, **sampling):
-    """Every decoding option checked before a model loads (chat: before the REPL starts)."""
+def _checkpoint_help(kind) -> str:
+    shipped = " (default: the one shipped for the target)" if kind.checkpoint.shipped else ""
+    return kind.checkpoint.what + shipped
+
+
+def _drafter_option_flags() -> list:
+    """A flag per option the registered drafters take (--block-size, --full-vocab, ...)."""
+    return [click.option(o.flags, o.name, type=o.type, default=o.default,
+                         show_default=o.default is not None, help=o.help)
+            for o in registry.drafter_options()]
+
+
+def _check_decoding(num_draft, max_tokens, drafter="none", draft_model=None, options=None,
+                    **sampling):
+    """Every decoding option checked before a model loads (chat: before the REPL starts);
+    `options` are the drafter options' flags (block_size=..., draft_vocab=...)."""
     from mlxspec.sampling import SamplingConfig
 
     try:
@@ -90,26 +107,28 @@ def _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size=None
         raise click.BadParameter(str(err), param_hint=f"--{name.replace('_', '-')}") from None
     if num_draft is not None and num_draft < 1:
         raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
-    kind = _model_kind(drafter)
-    if kind == "draft" and not draft_model:
+    kind = registry.drafter_kind(drafter)
+    checkpoint = kind.checkpoint
+    if checkpoint is not None and checkpoint.shipped is None and not draft_model:
         raise click.BadParameter(f"--drafter {drafter} needs --draft-model",
                                  param_hint="--draft-model")
-    if draft_model and kind not in ("draft", "dflash"):
+    if draft_model and checkpoint is None:
         raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
-    if block_size is not None and kind != "dflash":
-        raise click.BadParameter("only applies to --drafter dflash", param_hint="--block-size")
-    if not draft_vocab and kind != "dflash":
-        raise click.BadParameter("only applies to --drafter dflash", param_hint="--full-vocab")
+    for option in registry.drafter_options():
+        value = (options or {}).get(option.name, option.default)
+        if value != option.default and option not in kind.options:
+            takers = " or ".join(registry.takers(option))
+            raise click.BadParameter(f"only applies to --drafter {takers}",
+                                     param_hint=option.flag_for(value))
     if max_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
 
 
-def _dflash_options(draft_vocab: bool, block_size: int | None = None) -> dict:
-    """load_drafter options for a DFlash drafter; the defaults are left out."""
-    options = {} if draft_vocab else {"draft_vocab": False}
-    if block_size is not None:
-        options["block_size"] = block_size
-    return options
+def _options_for(drafter: str, values: dict) -> dict:
+    """load_drafter options for `drafter` from the flags' values: the ones it takes, the
+    defaults left out."""
+    return {o.name: values[o.name] for o in registry.drafter_kind(drafter).options
+            if values.get(o.name, o.default) != o.default}
 
 
 def _check_backend(backend, device):
@@ -117,15 +136,13 @@ def _check_backend(backend, device):
         raise click.BadParameter("applies to --backend torch only", param_hint="--device")
 
 
-def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None, backend="mlx",
-              device=None, draft_vocab=True):
+def _load_all(model, dtype, backend, device, drafter, draft_model, options, verbose):
     import mlxspec
 
-    options = _dflash_options(draft_vocab, block_size) if _model_kind(drafter) == "dflash" else {}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer,
-                                    **options)
+                                    **_options_for(drafter, options))
     except _user_errors() as err:
         _fail(err)
     if verbose:
@@ -134,11 +151,10 @@ def _load_all(model, dtype, drafter, draft_model, verbose, block_size=None, back
 
 
 def _backend_line(target) -> str:
+    from mlxspec.generate import BACKEND_PARTS
     from mlxspec.loading import backend_of
 
-    if backend_of(target) == "torch":
-        return f"torch: {target.device}, {str(target.dtype).replace('torch.', '')}"
-    return f"BLAS: {_blas.blas_in_use()}"
+    return BACKEND_PARTS[backend_of(target)]().describe(target)
 
 
 def build_prompt(tokenizer, messages, no_chat_template):
@@ -162,9 +178,9 @@ def main():
 @model_options
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
-def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_size, draft_vocab,
-             num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system,
-             no_chat_template, verbose):
+def generate(prompt, model, dtype, backend, device, drafter, draft_model, num_draft, adaptive,
+             max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, verbose,
+             **drafter_options):
     """Generate a reply to one prompt."""
     import mlxspec
     from mlxspec.generate import format_stats
@@ -173,11 +189,11 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab,
+    _check_decoding(num_draft, max_tokens, drafter, draft_model, drafter_options,
                     temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
-    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, verbose, block_size,
-                                        backend, device, draft_vocab)
+    target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
+                                        drafter_options, verbose)
     text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
                         no_chat_template)
     last = None
@@ -200,22 +216,20 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, block_
 @decoding_options
 @click.option("--color/--no-color", default=None,
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
-def chat(model, dtype, backend, device, drafter, draft_model, block_size, draft_vocab, num_draft,
-         adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, color):
+def chat(model, dtype, backend, device, drafter, draft_model, num_draft, adaptive, max_tokens,
+         temp, top_p, top_k, min_p, seed, system, no_chat_template, color, **drafter_options):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
+    from mlxspec.generate import BACKEND_PARTS
 
-    _check_decoding(num_draft, drafter, draft_model, max_tokens, block_size, draft_vocab,
+    _check_decoding(num_draft, max_tokens, drafter, draft_model, drafter_options,
                     temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
-    target, tokenizer, spec = _load_all(model, dtype, drafter, draft_model, False, block_size,
-                                        backend, device, draft_vocab)
+    target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
+                                        drafter_options, False)
     color = sys.stdout.isatty() if color is None else color
-    if backend == "torch":
-        from mlxspec.torch_backend import TorchPromptCache as PromptCache
-    else:
-        PromptCache = mlxspec.PromptCache
-    history, prompt_cache = [], PromptCache()  # turns prefill only what is new
+    prompt_cache = BACKEND_PARTS[backend]().prompt_cache()  # turns prefill only what is new
+    history = []
     click.echo("mlxspec chat: /reset clears the history, /quit exits.")
     while True:
         try:
@@ -298,15 +312,23 @@ def _csv(kind):
     return parse
 
 
+def bench_drafter_options(f):
+    """bench: a --NAME-model flag per model drafter (--draft-model, --dflash-model, ...), then
+    the drafters' options, all from the registry."""
+    flags = [click.option(f"--{k.name}-model", f"{k.name}_model", default=None,
+                          help=f"The {k.name} drafter's checkpoint: {_checkpoint_help(k)}.")
+             for k in registry.model_drafters()]
+    for option in reversed(flags + _drafter_option_flags()):
+        f = option(f)
+    return f
+
+
 @main.command()
 @model_options
 @click.option("--drafters", default="none,lookup", show_default=True, callback=_csv(str),
-              help=f"Comma-separated, from: {', '.join(DRAFTERS)}; name@K for a fixed K.")
-@click.option("--draft-model", default=None, help="Draft model for the draft drafter and mlx-lm.")
-@click.option("--dflash-model", default=None,
-              help="DFlash drafter checkpoint for the target (default: the one shipped for it).")
-@click.option("--draft-vocab/--full-vocab", default=True, show_default=True,
-              help="DFlash: draft from the checkpoint's draft vocabulary when it has one.")
+              help=f"Comma-separated, from: {', '.join(registry.drafter_names())}; name@K for a "
+                   "fixed K.")
+@bench_drafter_options
 @click.option("--suite", "suites", default="humaneval,mtbench,copy", show_default=True,
               callback=_csv(str), help="Comma-separated prompt suites.")
 @click.option("--temp", "temps", default="0", show_default=True, callback=_csv(float),
@@ -343,14 +365,16 @@ def _csv(kind):
                    "layers, hidden 64, the model's tokenizer), passes queued ahead and one at a "
                    "time, against mlx-lm's plain decoding. Greedy; drafters default to "
                    "none,lookup,draft@4,dflash@15.")
-def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, draft_vocab, suites,
-          temps, max_tokens, limit, num_draft, adaptive, with_mlx_lm, mlx_lm_num_draft,
-          with_llama_cpp, llama_cpp_gguf, llama_cpp_num_draft, comparisons, out, markdown, plot,
-          overhead):
+def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, limit, num_draft,
+          adaptive, with_mlx_lm, mlx_lm_num_draft, with_llama_cpp, llama_cpp_gguf,
+          llama_cpp_num_draft, comparisons, out, markdown, plot, overhead, **drafter_flags):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark
     from mlxspec.loading import gguf_file
+
+    paths = {k.name: drafter_flags.pop(f"{k.name}_model", None) for k in registry.model_drafters()}
+    draft_model = paths.get("draft")  # mlx-lm's draft model too
 
     if plot:
         try:
@@ -358,7 +382,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
         except ImportError:
             raise click.BadParameter("needs matplotlib: pip install 'mlxspec[bench]'",
                                      param_hint="--plot") from None
-    bad = [d for d in drafters if d.split("@")[0] not in DRAFTERS]
+    bad = [d for d in drafters if d.split("@")[0] not in registry.drafter_names()]
     if bad:
         raise click.BadParameter(f"unknown drafter(s) {bad}", param_hint="--drafters")
     try:
@@ -366,7 +390,7 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
             fixed_k(d)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--drafters") from None
-    kinds = {d.split("@")[0] for d in drafters}
+    kinds = sorted({d.split("@")[0] for d in drafters})
     pairs = [tuple(c.split("/")) for c in comparisons]
     bad = [c for c, pair in zip(comparisons, pairs)
            if len(pair) != 2 or not set(pair) <= set(drafters)]
@@ -378,23 +402,24 @@ def bench(model, dtype, backend, device, drafters, draft_model, dflash_model, dr
         raise click.BadParameter(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}",
                                  param_hint="--suite")
     for temp in temps:
-        _check_decoding(None, "none", None, max_tokens, temp=temp)
+        _check_decoding(None, max_tokens, temp=temp)
     if overhead:
         return _bench_overhead(model, dtype, backend, drafters, suites, temps, max_tokens, limit,
                                out, markdown, plot)
-    if "draft" in {_model_kind(k) for k in kinds} and not draft_model:
-        raise click.BadParameter("the draft drafter needs --draft-model", param_hint="--draft-model")
+    for kind in map(registry.drafter_kind, kinds):
+        checkpoint, flag = kind.checkpoint, f"--{kind.model_name}-model"
+        if checkpoint and not checkpoint.shipped and not paths.get(kind.model_name):
+            raise click.BadParameter(f"the {kind.model_name} drafter needs {flag}", param_hint=flag)
     _check_backend(backend, device)
     if backend == "torch" and with_mlx_lm:
         raise click.BadParameter("mlx-lm runs on MLX only; drop it with --backend torch",
                                  param_hint="--mlx-lm")
     with_mlx_lm = backend == "mlx" if with_mlx_lm is None else with_mlx_lm
-    paths = {"draft": draft_model, "dflash": dflash_model}
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
-        by_kind = {k: mlxspec.load_drafter(
-                       k, paths.get(_model_kind(k)), model=target, tokenizer=tokenizer,
-                       **(_dflash_options(draft_vocab) if _model_kind(k) == "dflash" else {}))
+        by_kind = {k: mlxspec.load_drafter(k, paths.get(registry.drafter_kind(k).model_name),
+                                           model=target, tokenizer=tokenizer,
+                                           **_options_for(k, drafter_flags))
                    for k in kinds}
         built = {d: by_kind[d.split("@")[0]] for d in drafters}  # one drafter, several K
         lm_draft = None

@@ -99,7 +99,7 @@ def resolve_backend(model, backend: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class BackendParts:
-    """What the API needs of a backend beyond the shared loop."""
+    """What the API and the CLI need of a backend beyond the shared loop."""
 
     target: type
     prompt_cache: type
@@ -107,19 +107,26 @@ class BackendParts:
     peak_memory_gb: Callable[[object], float]
     context_length: Callable[[object], "int | None"]
     vocab_size: Callable[[object], int]
+    describe: Callable[[object], str]  # where a model runs, for --verbose and bench reports
     run_steps: Callable[[Iterator], Iterator] = iter  # each step of the loop, run as it needs
 
 
 def _mlx_parts() -> BackendParts:
+    from ._blas import blas_in_use
+
     return BackendParts(MLXTarget, PromptCache, mx.random.seed,
-                        lambda model: mx.get_peak_memory() / 1e9, context_length, vocab_size)
+                        lambda model: mx.get_peak_memory() / 1e9, context_length, vocab_size,
+                        lambda model: f"BLAS: {blas_in_use()}")
 
 
 def _torch_parts() -> BackendParts:
     from . import torch_backend as tb
 
+    def describe(model) -> str:
+        return f"torch: {model.device}, {str(model.dtype).replace('torch.', '')}"
+
     return BackendParts(tb.TorchTarget, tb.TorchPromptCache, tb.seed, tb.peak_memory_gb,
-                        tb.context_length, tb.vocab_size, _blas_single_threaded)
+                        tb.context_length, tb.vocab_size, describe, _blas_single_threaded)
 
 
 BACKEND_PARTS = {"mlx": _mlx_parts, "torch": _torch_parts}

@@ -21,24 +21,22 @@ __all__ = [
     "TorchTarget",
     "context_length",
     "load",
-    "load_drafter",
+    "load_dflash_drafter",
+    "load_draft_model_drafter",
     "peak_memory_gb",
     "seed",
 ]
 
 
-def load_drafter(kind: str, path, *, model, tokenizer, **options):
-    """The model-backed drafters ("draft", "dflash") for a transformers target `model`; the
-    caller (mlxspec.drafters.load_drafter) has checked `kind` and handled the host-only ones."""
-    if kind == "dflash":
-        return load_dflash_drafter(path, model=model, tokenizer=tokenizer, **options)
+def load_draft_model_drafter(path, *, model, tokenizer, **options) -> TorchDraftModelDrafter:
+    """The draft-model drafter for a transformers target `model` (see the drafter registry): a
+    model with the target's tokenizer, on the target's device and in its dtype."""
     from ..drafters.draft_model import check_same_tokenizer
     from ..loading import check_model_dir, resolve_model_dir
 
     draft_dir = resolve_model_dir(path, **options)
     check_model_dir(draft_dir)
-    device = model_device(model)
-    draft_model, draft_tokenizer = load(draft_dir, device=device, dtype=model.dtype)
+    draft_model, draft_tokenizer = load(draft_dir, device=model_device(model), dtype=model.dtype)
     check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
     return TorchDraftModelDrafter(draft_model)
 

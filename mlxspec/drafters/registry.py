@@ -1,0 +1,221 @@
+"""One registry of drafter kinds, read by `load_drafter`, `stream_generate(drafter="...")`, the
+CLI's --drafter and bench's --drafters, so that a new drafter is its module plus one `register`.
+
+An entry says how to build the drafter on each backend, which options it takes (each with its
+command-line flag), and, for a model drafter, the checkpoint it loads and how that is checked
+against the target before any weight loads. Each model drafter also gets a "name+lookup" form,
+derived here: prompt lookup where it finds a match, the model elsewhere (drafters/hybrid.py).
+Torch factories are imported when first called, so the MLX path never imports torch.
+"""
+
+import importlib
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+from ..engine import Drafter, PlainDecoding
+from ..loading import BACKENDS, backend_of
+from .hybrid import LookupFirstDrafter
+from .lookup import PromptLookupDrafter
+
+Factory = Callable[..., Drafter]  # (path, *, model, tokenizer, **options) -> a Drafter
+
+
+@dataclass(frozen=True)
+class DrafterOption:
+    """A keyword a drafter's factories take, and the command-line flag that sets it."""
+
+    name: str  # the keyword, e.g. "block_size"
+    flags: str  # click's spelling: "--block-size", or a switch "--draft-vocab/--full-vocab"
+    help: str
+    type: Any = None  # click infers it from `default` when None
+    default: Any = None  # what the factory assumes when the keyword is left out
+
+    def flag_for(self, value) -> str:
+        """The flag a user writes to set `value` (a switch's second flag sets False)."""
+        on, _, off = self.flags.partition("/")
+        return off if value is False and off else on
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The files a model drafter loads: --drafter-model on the CLI, `path` in the API."""
+
+    what: str  # said when none is given: "the X drafter needs {what} (--draft-model)"
+    # Refuses a checkpoint that does not fit the target, before any weight loads: (path, model).
+    check: Callable[[Any, Any], None] | None = None
+    # The checkpoint mlxspec ships for this target, used when none is given: model -> path | None.
+    shipped: Callable[[Any], Any] | None = None
+    shipped_note: str = ""  # added to the message when nothing ships for the target
+    shipped_options: Mapping[str, dict] = field(default_factory=dict)  # per backend
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """A kind of drafter: its factory per backend, its options and the checkpoint it loads."""
+
+    name: str
+    factories: Mapping[str, Factory]  # backend ("mlx", "torch") -> factory
+    options: tuple[DrafterOption, ...] = ()
+    checkpoint: Checkpoint | None = None  # None: the drafter loads no files
+    base: str | None = None  # a derived "X+lookup" form: X, whose checkpoint it loads
+
+    @property
+    def model_name(self) -> str:
+        """The registered drafter whose checkpoint this one loads (X for "X+lookup")."""
+        return self.base or self.name
+
+
+def lazy(module: str, name: str) -> Factory:
+    """A factory imported when first called (a torch one must not import torch on the MLX path)."""
+
+    def factory(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    factory.__qualname__ = f"{module}.{name}"
+    return factory
+
+
+def host_only(drafter_class: type) -> dict[str, Factory]:
+    """Factories for a drafter that reads only token ids: one class for every backend, built from
+    its options alone."""
+
+    def build(path, *, model, tokenizer, **options):
+        return drafter_class(**options)
+
+    return {backend: build for backend in BACKENDS}
+
+
+def lookup_first(kind: DrafterKind) -> DrafterKind:
+    """"name+lookup": the model drafter `kind` behind prompt lookup, with its options and path."""
+
+    def wrap(build: Factory) -> Factory:
+        return lambda *args, **kwargs: LookupFirstDrafter(build(*args, **kwargs))
+
+    factories = {backend: wrap(build) for backend, build in kind.factories.items()}
+    return replace(kind, name=f"{kind.name}+lookup", factories=factories, base=kind.name)
+
+
+_REGISTERED: dict[str, DrafterKind] = {}
+
+
+def register(kind: DrafterKind) -> DrafterKind:
+    if not re.fullmatch(r"\w+", kind.name):
+        raise ValueError(f"drafter name {kind.name!r}: letters, digits and _ only (+, @ and , "
+                         "mean something in --drafter and bench's --drafters)")
+    if kind.name in _REGISTERED:
+        raise ValueError(f"a drafter named {kind.name!r} is already registered")
+    unknown = set(kind.factories) - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"drafter {kind.name!r}: unknown backends {sorted(unknown)}")
+    _REGISTERED[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    del _REGISTERED[name]
+
+
+def drafter_kinds() -> dict[str, DrafterKind]:
+    """Every drafter by name: the registered kinds, then each model drafter's +lookup form."""
+    return {**_REGISTERED, **{k.name: k for k in map(lookup_first, model_drafters())}}
+
+
+def drafter_names() -> tuple[str, ...]:
+    return tuple(drafter_kinds())
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    kinds = drafter_kinds()
+    if name not in kinds:
+        raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(kinds)}")
+    return kinds[name]
+
+
+def drafter_options() -> tuple[DrafterOption, ...]:
+    """The options of all registered drafters, each once (drafters may share one)."""
+    return tuple({o.name: o for k in _REGISTERED.values() for o in k.options}.values())
+
+
+def takers(option: DrafterOption) -> list[str]:
+    """The registered drafters that take `option` (their +lookup forms too)."""
+    return [k.name for k in _REGISTERED.values() if option in k.options]
+
+
+def model_drafters() -> list[DrafterKind]:
+    """The registered drafters that load a checkpoint."""
+    return [k for k in _REGISTERED.values() if k.checkpoint is not None]
+
+
+# ---- The factories and checks that have no module of their own ----------------------------------
+
+
+def load_draft_model_drafter(path, *, model, tokenizer, **options):
+    """A smaller model with the target's tokenizer (a converted directory, a .gguf file or a Hugging
+    Face repo id); `options` go to `mlxspec.load`."""
+    from ..loading import load
+    from ..mlx_backend import vocab_size
+    from .draft_model import DraftModelDrafter, check_same_tokenizer
+
+    draft_model, draft_tokenizer = load(path, **options)
+    check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
+    return DraftModelDrafter(draft_model)
+
+
+def check_dflash_checkpoint(path, model) -> None:
+    """A DFlash config against the target, on either backend, naming both sides."""
+    from ..converters.hf import resolve_hf_source
+    from ..models.dflash import DFlashConfig, read_config
+    from .dflash import check_against_target
+
+    if backend_of(model) == "torch":
+        from ..torch_backend.dflash import _sizes_view
+
+        model = _sizes_view(model)
+    check_against_target(DFlashConfig.from_dict(read_config(resolve_hf_source(path))), model)
+
+
+def shipped_dflash_drafter(model):
+    """The trained DFlash drafter shipped for this target (MLX or transformers), or None."""
+    from .dflash import find_shipped_drafter, shipped_drafter_for
+
+    if backend_of(model) == "mlx":
+        return shipped_drafter_for(model)
+    config = model.config
+    sizes = (config.hidden_size, config.vocab_size, config.num_hidden_layers)
+    weight = model.get_input_embeddings().weight
+    return find_shipped_drafter(sizes, lambda: float(weight[:8].float().sum().item()))
+
+
+# ---- The drafters -------------------------------------------------------------------------------
+
+register(DrafterKind("none", host_only(PlainDecoding)))
+register(DrafterKind("lookup", host_only(PromptLookupDrafter)))  # options: max_ngram, min_ngram
+register(DrafterKind(
+    "draft",
+    {"mlx": load_draft_model_drafter,
+     "torch": lazy("mlxspec.torch_backend", "load_draft_model_drafter")},
+    checkpoint=Checkpoint("a draft model path"),
+))
+register(DrafterKind(
+    "dflash",
+    {"mlx": lazy("mlxspec.drafters.dflash", "load_dflash_drafter"),
+     "torch": lazy("mlxspec.torch_backend.dflash", "load_dflash_drafter")},
+    options=(
+        DrafterOption(
+            "block_size", "--block-size", type=int,
+            help="DFlash block size (2 .. the checkpoint's; default: the checkpoint's)."),
+        DrafterOption(
+            "draft_vocab", "--draft-vocab/--full-vocab", default=True,
+            help="DFlash: draft from the checkpoint's draft vocabulary (draft_vocab.json, the "
+                 "tokens it was trained to rank) when it has one, or from the full vocabulary. "
+                 "Output is the same either way."),
+    ),
+    checkpoint=Checkpoint(
+        "a drafter checkpoint trained for this target",
+        check=check_dflash_checkpoint,
+        shipped=shipped_dflash_drafter,
+        shipped_note="mlxspec ships one only for the default SmolLM2-135M-Instruct",
+        shipped_options={"mlx": {"dtype": "target"}},  # stored in bf16 to keep the package small
+    ),
+))

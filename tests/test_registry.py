@@ -1,0 +1,214 @@
+"""The drafter registry: every kind reachable from the CLI and the API, the +lookup forms derived,
+a new drafter usable from one entry, and the MLX path free of torch."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_cli import tiny_llama as tiny_llama_dir
+
+import mlxspec
+from mlxspec.cli.main import bench, chat, generate, main
+from mlxspec.drafters import registry
+from mlxspec.drafters.registry import DrafterKind, host_only
+from mlxspec.engine import Draft, Drafter
+
+PROMPT = "Repeat: the cat sat on the mat, the cat sat on the mat."
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(smollm_dir, tmp_path_factory):
+    """A 1-layer random llama with SmolLM2's tokenizer; also a draft model for itself."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "target", smollm_dir, 49152)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return mlxspec.load(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_dir, tmp_path_factory):
+    """A checkpoint that fits the tiny target for each model drafter (a new one adds its own)."""
+    from test_dflash import drafter_config, random_weights, save_drafter
+
+    config = drafter_config(vocab=49152, hidden=64, target_layers=1, num_hidden_layers=1,
+                            layer_types=["full_attention"], target_layer_ids=[0], mask_token_id=0)
+    dflash = save_drafter(tmp_path_factory.mktemp("dflash"), config, random_weights(config))
+    return {"draft": tiny_dir, "dflash": dflash}
+
+
+def choices(command, name="drafter"):
+    return tuple(next(p for p in command.params if p.name == name).type.choices)
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+# ---- Every kind, from the CLI and the API ---------------------------------------------------
+
+
+def test_every_kind_is_offered_by_the_cli():
+    names = registry.drafter_names()
+    assert names == mlxspec.drafters.DRAFTER_KINDS
+    assert choices(generate) == choices(chat) == names
+    bench_flags = {p.name for p in bench.params}
+    for kind in registry.model_drafters():
+        assert f"{kind.name}_model" in bench_flags  # bench's --NAME-model
+    for option in registry.drafter_options():
+        for command in (generate, chat, bench):
+            assert option.name in {p.name for p in command.params}, (option.name, command.name)
+
+
+def test_every_kind_builds_from_the_api(tiny, checkpoints):
+    model, tokenizer = tiny
+    assert set(checkpoints) == {k.name for k in registry.model_drafters()}
+    for name, kind in registry.drafter_kinds().items():
+        path = checkpoints.get(kind.model_name) if kind.checkpoint else None
+        drafter = mlxspec.load_drafter(name, path, model=model, tokenizer=tokenizer)
+        assert drafter.name == name
+    with pytest.raises(ValueError, match="unknown drafter 'medusa'; choose from none, lookup"):
+        mlxspec.load_drafter("medusa", model=model, tokenizer=tokenizer)
+
+
+def test_lookup_forms_are_derived_for_model_drafters():
+    kinds = registry.drafter_kinds()
+    models = [k.name for k in registry.model_drafters()]
+    assert list(kinds) == [*registry._REGISTERED, *(f"{m}+lookup" for m in models)]
+    for m in models:
+        combined = kinds[f"{m}+lookup"]
+        assert (combined.model_name, combined.options, combined.checkpoint) == (
+            m, kinds[m].options, kinds[m].checkpoint)
+    assert "lookup+lookup" not in kinds and "none+lookup" not in kinds  # no checkpoint, no form
+
+
+def test_missing_checkpoint_message_names_the_model_drafter(tiny):
+    model, tokenizer = tiny
+    for name in ("draft", "draft+lookup"):
+        with pytest.raises(ValueError, match=r"^the draft drafter needs a draft model path "
+                                             r"\(--draft-model\)$"):
+            mlxspec.load_drafter(name, model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="the dflash drafter needs a drafter checkpoint trained "
+                                         "for this target .*ships one only"):
+        mlxspec.load_drafter("dflash+lookup", model=model, tokenizer=tokenizer)
+
+
+def test_refuses_a_bad_or_taken_name():
+    for name in ("dflash", "a+b", "k@4", ""):
+        with pytest.raises(ValueError, match="already registered|letters, digits"):
+            registry.register(DrafterKind(name, host_only(Drafter)))
+    with pytest.raises(ValueError, match="unknown backends"):
+        registry.register(DrafterKind("toy", {"jax": lambda *a, **k: Drafter()}))
+    assert "toy" not in registry.drafter_names()
+
+
+# ---- A new drafter: one class and one entry --------------------------------------------------
+
+
+class RepeatLastDrafter(Drafter):
+    """Guesses that the last token repeats: wrong mostly, but it drafts every step."""
+
+    name = "repeat"
+    default_num_draft = 2
+
+    def __init__(self, times: int = 1):
+        self.times = times
+
+    def propose(self, tokens, k, sampling):
+        return Draft(tokens=[tokens[-1]] * min(k, self.times))
+
+
+@pytest.fixture
+def repeat_registered():
+    registry.register(DrafterKind("repeat", host_only(RepeatLastDrafter)))
+    try:
+        yield
+    finally:
+        registry.unregister("repeat")
+
+
+def test_a_registered_drafter_runs_through_the_api(tiny, repeat_registered):
+    model, tokenizer = tiny
+    plain = list(mlxspec.stream_generate(model, tokenizer, PROMPT, 12))
+    spec = list(mlxspec.stream_generate(model, tokenizer, PROMPT, 12, drafter="repeat"))
+    assert [r.token for r in spec] == [r.token for r in plain]
+    assert spec[-1].drafter == "repeat" and spec[-1].drafted > 0
+    built = mlxspec.load_drafter("repeat", model=model, tokenizer=tokenizer, times=2)
+    assert isinstance(built, RepeatLastDrafter) and built.times == 2
+
+
+def test_a_registered_drafter_runs_from_the_cli(tiny_dir, repeat_registered):
+    args = ["generate", "--model", str(tiny_dir), "--prompt", PROMPT, "-n", "12", "-v"]
+    plain = invoke(*args)
+    spec = invoke(*args, "--drafter", "repeat")
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    assert "Drafter: repeat (up to 2 drafts per step)" in spec.stderr
+    refused = invoke(*args, "--drafter", "repeat", "--full-vocab")
+    assert refused.exit_code == 2 and "--full-vocab: only applies to --drafter dflash" in (
+        refused.stderr)
+
+
+def test_an_unregistered_drafter_is_refused_again(tiny_dir):
+    result = invoke("generate", "--model", str(tiny_dir), "--prompt", "hi", "--drafter", "repeat")
+    assert result.exit_code == 2 and "'repeat' is not one of 'none'" in result.stderr
+
+
+def test_a_registered_model_drafter_gets_its_lookup_form_and_flags(tiny, tiny_dir):
+    """A drafter with a checkpoint: its +lookup form, the checkpoint required by the CLI when
+    nothing ships, and the path handed to its factory."""
+    model, tokenizer = tiny
+    seen = []
+
+    def build(path, *, model, tokenizer, **options):
+        seen.append(path)
+        return RepeatLastDrafter(**options)
+
+    registry.register(DrafterKind("toy", {"mlx": build},
+                                  checkpoint=registry.Checkpoint("a toy checkpoint")))
+    try:
+        assert registry.drafter_names()[-1] == "toy+lookup"
+        drafter = mlxspec.load_drafter("toy+lookup", tiny_dir, model=model, tokenizer=tokenizer)
+        assert drafter.name == "repeat+lookup" and seen == [tiny_dir]
+        with pytest.raises(ValueError, match=r"the toy drafter needs a toy checkpoint"):
+            mlxspec.load_drafter("toy+lookup", model=model, tokenizer=tokenizer)
+        result = invoke("generate", "--prompt", "hi", "--drafter", "toy+lookup")
+        assert result.exit_code == 2 and "--drafter toy+lookup needs --draft-model" in result.stderr
+    finally:
+        registry.unregister("toy")
+    assert "toy+lookup" not in registry.drafter_names()
+
+
+# ---- The MLX path imports no torch ----------------------------------------------------------
+
+NO_TORCH = """
+import sys
+from pathlib import Path
+sys.modules["torch"] = None  # as if not installed: any import of it fails
+sys.path.insert(0, sys.argv[2])
+
+import mlxspec
+from tiny_models import tiny_llama
+
+from mlx_lm.utils import load_tokenizer
+
+model, tokenizer = tiny_llama(vocab=49152), load_tokenizer(Path(sys.argv[1]))
+for name in ("none", "lookup"):
+    drafter = mlxspec.load_drafter(name, model=model, tokenizer=tokenizer)
+    text = mlxspec.generate(model, tokenizer, [1, 2, 3, 1, 2], max_tokens=4, drafter=drafter)
+print(sorted(m for m in sys.modules if m.startswith("mlxspec.torch_backend")))
+"""
+
+
+def test_the_mlx_path_imports_no_torch(smollm_dir):
+    """torch hidden (it is installed here; mlx-lm's transformers would import it otherwise):
+    mlxspec, the registry and a lookup drafter generating on MLX never reach for it."""
+    tests = str(Path(__file__).parent)
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH, str(smollm_dir), tests],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
