@@ -484,3 +484,30 @@ def test_model_level_api(target, inputs):
     assert model.logits(h).shape == (1, 8, 48)
     assert isinstance(Eagle3Drafter(model, num_target_layers=4, target_vocab=96).capture_layers,
                       tuple)
+
+
+def test_eagle3_from_the_cli_is_lossless(tmp_path):
+    """`--drafter eagle3 --draft-model DIR` on the hybrid qwen3_5 target the fixtures were made
+    for: plain decoding's text, with drafts accepted."""
+    import re
+
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    target = FIXTURES.parent / "mlx_vlm_hybrid" / "target"
+
+    def run(*options):
+        result = CliRunner().invoke(main, ["generate", "--model", str(target), "-p", "abcabcab",
+                                           "-n", "16", "--no-chat-template", *options])
+        assert result.exit_code == 0, result.output
+        return result
+
+    plain = run()
+    for layout in ("speculators", "specforge"):
+        spec = run("--drafter", "eagle3", "--draft-model", str(FIXTURES / layout), "--verbose")
+        assert spec.stdout == plain.stdout
+        assert int(re.search(r"drafted: (\d+)", spec.stderr)[1]) > 0, spec.stderr
+    refused = CliRunner().invoke(main, ["generate", "--model", str(target), "-p", "ab", "-n", "2",
+                                        "--drafter", "eagle3"])
+    assert refused.exit_code != 0 and "--draft-model" in refused.output

@@ -38,7 +38,11 @@ def checkpoints(tiny_dir, tmp_path_factory):
     config = drafter_config(vocab=49152, hidden=64, target_layers=1, num_hidden_layers=1,
                             layer_types=["full_attention"], target_layer_ids=[0], mask_token_id=0)
     dflash = save_drafter(tmp_path_factory.mktemp("dflash"), config, random_weights(config))
-    return {"draft": tiny_dir, "dflash": dflash}
+    from test_eagle3 import make_drafter_dir as eagle3_dir
+
+    eagle3 = eagle3_dir(tmp_path_factory.mktemp("eagle3"), vocab=49152, draft_ids=list(range(16)),
+                        hidden=64, target_hidden=64, ids=(1, 1, 1))
+    return {"draft": tiny_dir, "dflash": dflash, "eagle3": eagle3}
 
 
 def choices(command, name="drafter"):

@@ -214,3 +214,61 @@ def test_lookup_with_branches_is_lossless(target, prompt):
         MLXTarget(target, speculative=True), PromptLookupDrafter(branches=3), prompt,
         sampling=SamplingConfig(), max_tokens=20, num_draft=8, stats=stats)]
     assert out == reference
+
+
+# ---- from the CLI and the API --------------------------------------------------------------------
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    result = CliRunner().invoke(main, ["generate", "--no-chat-template", "-n", "24", "-p",
+                                       "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+                                       *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.mark.slow
+def test_trees_from_the_cli_are_lossless_on_the_default_model():
+    """DDTree on the shipped DFlash drafter and branched prompt lookup: the plain output, with
+    drafts accepted."""
+    import re
+
+    plain = cli()
+    for options in (["--drafter", "dflash", "--tree-budget", "12"],
+                    ["--drafter", "lookup", "--lookup-branches", "3"],
+                    ["--drafter", "dflash+lookup", "--tree-budget", "8", "--tree-width", "2"]):
+        spec = cli(*options, "--verbose")
+        assert spec.stdout == plain.stdout, options
+        assert int(re.search(r"accepted: (\d+)", spec.stderr)[1]) > 0, spec.stderr
+
+
+def test_tree_options_are_checked_before_the_model_loads():
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    for options, words in ((["--drafter", "lookup", "--tree-budget", "4"], "only applies to"),
+                           (["--drafter", "dflash", "--lookup-branches", "2"], "only applies to"),
+                           (["--drafter", "dflash", "--tree-budget", "0"], "must be >= 1"),
+                           (["--drafter", "lookup", "--lookup-branches", "0"], "must be >= 1")):
+        result = CliRunner().invoke(main, ["generate", "-p", "hi", "-n", "2", *options])
+        assert result.exit_code != 0 and words in result.output, result.output
+        assert "Traceback" not in result.output
+
+
+def test_the_api_takes_tree_options():
+    import mlxspec
+
+    model, tokenizer = mlxspec.load(None)
+    prompt = "one two three one two three one two"
+    plain = mlxspec.generate(model, tokenizer, prompt, max_tokens=12)
+    drafter = mlxspec.drafters.load_drafter("lookup", model=model, tokenizer=tokenizer,
+                                            branches=2)
+    assert mlxspec.generate(model, tokenizer, prompt, max_tokens=12, drafter=drafter) == plain
+    dflash = mlxspec.drafters.load_drafter("dflash", model=model, tokenizer=tokenizer,
+                                           tree_budget=6)
+    assert mlxspec.generate(model, tokenizer, prompt, max_tokens=12, drafter=dflash) == plain

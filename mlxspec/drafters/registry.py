@@ -30,6 +30,7 @@ class DrafterOption:
     help: str
     type: Any = None  # click infers it from `default` when None
     default: Any = None  # what the factory assumes when the keyword is left out
+    minimum: int | None = None  # the least value a number may take, checked before loading
 
     def flag_for(self, value) -> str:
         """The flag a user writes to set `value` (a switch's second flag sets False)."""
@@ -189,8 +190,19 @@ def shipped_dflash_drafter(model):
 
 # ---- The drafters -------------------------------------------------------------------------------
 
+TREE_BUDGET = DrafterOption(
+    "tree_budget", "--tree-budget", type=int, minimum=1,
+    help="Draft a tree of up to N nodes each step, verified in one pass (DFlash: DDTree, grown "
+         "best-first from each block slot's best tokens), instead of a chain. MLX only.")
+
 register(DrafterKind("none", host_only(PlainDecoding)))
-register(DrafterKind("lookup", host_only(PromptLookupDrafter)))  # options: max_ngram, min_ngram
+register(DrafterKind(
+    "lookup", host_only(PromptLookupDrafter),  # also max_ngram, min_ngram through the API
+    options=(DrafterOption(
+        "branches", "--lookup-branches", type=int, default=1, minimum=1,
+        help="Prompt lookup: propose the continuations of up to N earlier matches as one tree "
+             "(shared prefixes merged), verified in one pass. MLX only."),),
+))
 register(DrafterKind(
     "draft",
     {"mlx": load_draft_model_drafter,
@@ -210,6 +222,10 @@ register(DrafterKind(
             help="DFlash: draft from the checkpoint's draft vocabulary (draft_vocab.json, the "
                  "tokens it was trained to rank) when it has one, or from the full vocabulary. "
                  "Output is the same either way."),
+        TREE_BUDGET,
+        DrafterOption(
+            "tree_width", "--tree-width", type=int, default=4, minimum=1,
+            help="DFlash with --tree-budget: the best tokens of each block slot a tree may use."),
     ),
     checkpoint=Checkpoint(
         "a drafter checkpoint trained for this target",
@@ -217,5 +233,14 @@ register(DrafterKind(
         shipped=shipped_dflash_drafter,
         shipped_note="mlxspec ships one only for the default SmolLM2-135M-Instruct",
         shipped_options={"mlx": {"dtype": "target"}},  # stored in bf16 to keep the package small
+    ),
+))
+register(DrafterKind(
+    "eagle3",
+    {"mlx": lazy("mlxspec.drafters.eagle3", "load_eagle3_drafter")},
+    checkpoint=Checkpoint(
+        "an EAGLE-3 drafter checkpoint trained for this target (speculators or SpecForge/SGLang "
+        "layout)",
+        check=lazy("mlxspec.drafters.eagle3_loading", "check_checkpoint"),
     ),
 ))

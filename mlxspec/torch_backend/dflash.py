@@ -421,9 +421,14 @@ def final_norm_of(model):
 
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
-                        draft_vocab: bool = True):
+                        draft_vocab: bool = True, tree_budget: int | None = None,
+                        tree_width: int = 4):
     """Load a DFlash checkpoint for a transformers target `model` (see the MLX loader); the
-    drafter runs on the target's device, in the target's dtype."""
+    drafter runs on the target's device, in the target's dtype. Chains only: the torch target
+    does not verify trees yet."""
+    if tree_budget is not None:
+        raise ValueError("DFlash trees (--tree-budget) run on the MLX backend only; the torch "
+                         "backend verifies chains")
     path = Path(path).expanduser()
     if not path.is_dir():
         from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
