@@ -141,6 +141,9 @@ class Drafter:
     # Target layers whose outputs the drafter conditions on (DFlash, EAGLE); empty for most.
     capture_layers: tuple[int, ...] = ()
     default_num_draft = 1
+    # Proposes trees: K is then a node budget, kept fixed (the adaptive K models a chain's
+    # acceptance by position, which a tree's nodes do not follow).
+    drafts_trees = False
 
     def begin(self, prompt: list[int], features: Any = None) -> None:
         """A new sequence starts: `prompt` is in the target cache except its last token."""
@@ -326,7 +329,8 @@ def speculative_tokens(
     if isinstance(adaptive, AdaptiveDraftLength):
         policy = adaptive
     else:
-        policy = drafter.draft_policy(max_k, sampling.temp == 0) if adaptive and max_k else None
+        adapts = adaptive and max_k and not drafter.drafts_trees
+        policy = drafter.draft_policy(max_k, sampling.temp == 0) if adapts else None
     k_ahead = policy is None or not policy.reads_tokens  # K is known before a pass is read
 
     def choose_k(produced: int, length: int) -> int:

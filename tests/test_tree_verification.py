@@ -272,3 +272,18 @@ def test_the_api_takes_tree_options():
     dflash = mlxspec.drafters.load_drafter("dflash", model=model, tokenizer=tokenizer,
                                            tree_budget=6)
     assert mlxspec.generate(model, tokenizer, prompt, max_tokens=12, drafter=dflash) == plain
+
+
+def test_a_tree_budget_stays_fixed_under_the_adaptive_draft_length(target):
+    """The adaptive K models a chain's acceptance by position; a tree drafter keeps its budget."""
+    from mlxspec.drafters.hybrid import LookupFirstDrafter
+    from mlxspec.drafters.lookup import PromptLookupDrafter
+
+    for drafter in (PromptLookupDrafter(branches=3), LookupFirstDrafter(
+            PromptLookupDrafter(), PromptLookupDrafter(branches=2))):
+        assert drafter.drafts_trees
+        list(speculative_tokens(MLXTarget(target, speculative=True), drafter,
+                                [1, 2, 3, 1, 2, 4, 1, 2], sampling=SamplingConfig(),
+                                max_tokens=8, num_draft=6, stats=SpecStats(), adaptive=True))
+        assert "_draft_policies" not in vars(drafter)
+    assert not PromptLookupDrafter().drafts_trees

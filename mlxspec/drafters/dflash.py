@@ -54,6 +54,7 @@ class DFlashDrafter(Drafter):
         self.tree_budget, self.tree_width = check_tree(tree_budget, tree_width)
         if self.tree_budget is not None:
             self.default_num_draft = self.max_draft = self.tree_budget
+            self.drafts_trees = True
         self.capture_layers = tuple(self.args.target_layer_ids)
         self.embed_tokens = embed_tokens
         # Drafts come from `draft_vocab`'s head rows only when given (their logits are all a

@@ -20,6 +20,7 @@ class PromptLookupDrafter(Drafter):
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
             raise ValueError(f"lookup branches must be a positive integer, got {branches!r}")
         self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
+        self.drafts_trees = branches > 1
         self._index: dict[tuple[int, ...], list[int]] = {}  # latest `branches` ends, oldest first
         self._indexed = 0  # n-grams ending before this position are in the index
 
