@@ -65,3 +65,14 @@ def smollm_random_dflash(tmp_path_factory):
         mask_token_id=0, target_layer_ids=[1, 8, 14, 20, 27],
     )
     return save_drafter(tmp_path_factory.mktemp("smollm_dflash"), config, random_weights(config))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests, then as it was."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -208,11 +208,8 @@ def _add_mtp(path, hidden):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_cpu_thread(one_torch_thread):
+    """torch on one thread while this module runs (conftest.one_torch_thread)."""
 
 
 @pytest.fixture(scope="module", params=list(CASES))

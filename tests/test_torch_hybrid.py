@@ -49,11 +49,8 @@ OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_cpu_thread(one_torch_thread):
+    """torch on one thread while this module runs (conftest.one_torch_thread)."""
 
 
 def randomised_norms(model, seed: int):
