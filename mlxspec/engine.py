@@ -141,8 +141,8 @@ class Drafter:
     # Target layers whose outputs the drafter conditions on (DFlash, EAGLE); empty for most.
     capture_layers: tuple[int, ...] = ()
     default_num_draft = 1
-    # Proposes trees: K is then a node budget, kept fixed (the adaptive K models a chain's
-    # acceptance by position, which a tree's nodes do not follow).
+    # Proposes trees: K is then a node budget, chosen by measured throughput (TreeBudget), not
+    # by the chain model of acceptance by position, which a tree's nodes do not follow.
     drafts_trees = False
 
     def begin(self, prompt: list[int], features: Any = None) -> None:
@@ -162,7 +162,7 @@ class Drafter:
         policies = self.__dict__.setdefault("_draft_policies", {})
         key = (max_k, greedy)
         if key not in policies:
-            policies[key] = AdaptiveDraftLength(max_k)
+            policies[key] = (TreeBudget if self.drafts_trees else AdaptiveDraftLength)(max_k)
         return policies[key]
 
 
@@ -284,6 +284,44 @@ class AdaptiveDraftLength:
             self.step_time[drafted] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
 
+class TreeBudget:
+    """A tree's node budget chosen by what each budget yields: committed tokens per second of
+    step, a running mean per candidate budget (powers of two up to the most). Each candidate is
+    tried once, then the best is used, and every `probe_every` steps a neighbour of it is tried
+    again, so a change in the text or the machine moves the choice."""
+
+    reads_tokens = False  # next_k() needs only this object's state
+
+    def __init__(self, max_k: int, probe_every: int = 8, decay: float = 0.7):
+        self.budgets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_k} | {max_k})
+        self.probe_every, self.decay = probe_every, decay
+        self.rate: dict[int, float] = {}  # budget -> running mean of tokens per second
+        self.steps, self.current = 0, self.budgets[-1]
+
+    def best(self) -> int:
+        return max(self.rate, key=self.rate.get)
+
+    def next_k(self) -> int:
+        self.steps += 1
+        untried = [b for b in self.budgets if b not in self.rate]
+        if untried:
+            self.current = untried[-1]
+        elif self.steps % self.probe_every == 0:
+            i = self.budgets.index(self.best())
+            neighbours = self.budgets[max(i - 1, 0) : i] + self.budgets[i + 1 : i + 2]
+            self.current = neighbours[(self.steps // self.probe_every) % len(neighbours)] \
+                if neighbours else self.best()
+        else:
+            self.current = self.best()
+        return self.current
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        if seconds is None or seconds <= 0 or drafted == 0:
+            return
+        rate, old = (accepted + 1) / seconds, self.rate.get(self.current)
+        self.rate[self.current] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+
 def draft_limit(drafter: Drafter, num_draft: int) -> int:
     """The most drafts a step verifies: `num_draft`, capped by what the drafter can propose."""
     return num_draft if drafter.max_draft is None else min(num_draft, drafter.max_draft)
@@ -329,8 +367,7 @@ def speculative_tokens(
     if isinstance(adaptive, AdaptiveDraftLength):
         policy = adaptive
     else:
-        adapts = adaptive and max_k and not drafter.drafts_trees
-        policy = drafter.draft_policy(max_k, sampling.temp == 0) if adapts else None
+        policy = drafter.draft_policy(max_k, sampling.temp == 0) if adaptive and max_k else None
     k_ahead = policy is None or not policy.reads_tokens  # K is known before a pass is read
 
     def choose_k(produced: int, length: int) -> int:

@@ -160,7 +160,8 @@ def test_lookup_first_drafts_by_lookup_where_it_matches_else_by_the_model(target
 
 def test_lookup_first_keeps_one_adaptive_policy_per_source():
     copying = [True]
-    policy = PerSourceDraftLength(lambda: copying[0], 8)
+    policy = PerSourceDraftLength(lambda: copying[0], AdaptiveDraftLength(8),
+                                  AdaptiveDraftLength(8))
     for _ in range(20):  # lookup's drafts all accepted, the model's never
         for copies, accepted in ((True, 8), (False, 0)):
             copying[0] = copies

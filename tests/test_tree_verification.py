@@ -274,16 +274,37 @@ def test_the_api_takes_tree_options():
     assert mlxspec.generate(model, tokenizer, prompt, max_tokens=12, drafter=dflash) == plain
 
 
-def test_a_tree_budget_stays_fixed_under_the_adaptive_draft_length(target):
-    """The adaptive K models a chain's acceptance by position; a tree drafter keeps its budget."""
+def test_a_tree_budget_is_chosen_by_throughput(target):
+    """The adaptive K models a chain's acceptance by position; a tree drafter's node budget is
+    chosen by the committed tokens per second each budget yields instead."""
     from mlxspec.drafters.hybrid import LookupFirstDrafter
     from mlxspec.drafters.lookup import PromptLookupDrafter
+    from mlxspec.engine import AdaptiveDraftLength, TreeBudget
 
-    for drafter in (PromptLookupDrafter(branches=3), LookupFirstDrafter(
-            PromptLookupDrafter(), PromptLookupDrafter(branches=2))):
-        assert drafter.drafts_trees
-        list(speculative_tokens(MLXTarget(target, speculative=True), drafter,
-                                [1, 2, 3, 1, 2, 4, 1, 2], sampling=SamplingConfig(),
-                                max_tokens=8, num_draft=6, stats=SpecStats(), adaptive=True))
-        assert "_draft_policies" not in vars(drafter)
+    tree = PromptLookupDrafter(branches=3)
+    assert isinstance(tree.draft_policy(8, True), TreeBudget)
+    both = LookupFirstDrafter(PromptLookupDrafter(), PromptLookupDrafter(branches=2))
+    policy = both.draft_policy(8, True)
+    assert isinstance(policy.lookup, TreeBudget) and isinstance(policy.model, AdaptiveDraftLength)
     assert not PromptLookupDrafter().drafts_trees
+    stats = SpecStats()
+    out = [t for t, _ in speculative_tokens(
+        MLXTarget(target, speculative=True), tree, [1, 2, 3, 1, 2, 4, 1, 2],
+        sampling=SamplingConfig(), max_tokens=12, num_draft=8, stats=stats, adaptive=True)]
+    assert out == greedy_reference(target, [1, 2, 3, 1, 2, 4, 1, 2], 12)
+
+
+def test_tree_budget_settles_on_the_best_rate_and_keeps_probing_its_neighbours():
+    from mlxspec.engine import TreeBudget
+
+    policy = TreeBudget(32, probe_every=4)
+    assert policy.budgets == [1, 2, 4, 8, 16, 32]
+    rate = {1: 10.0, 2: 14.0, 4: 20.0, 8: 16.0, 16: 9.0, 32: 5.0}  # tokens per second
+    chosen = []
+    for _ in range(60):
+        k = policy.next_k()
+        chosen.append(k)
+        policy.update(k, 1, 2 / rate[k])  # 2 tokens committed in 2 / rate seconds
+    assert chosen[:6] == [32, 16, 8, 4, 2, 1]  # each tried once, the largest first
+    settled = chosen[6:]
+    assert settled.count(4) > 0.7 * len(settled) and set(settled) <= {2, 4, 8}

@@ -12,7 +12,7 @@ Each source keeps its own adaptive-K policy: their acceptance by position and th
 differ (a lookup step drafts for nothing), and one policy fitted to both would suit neither.
 """
 
-from ..engine import AdaptiveDraftLength, Draft, Drafter, Verdict
+from ..engine import Draft, Drafter, Verdict
 from ..sampling import SamplingConfig
 from .lookup import PromptLookupDrafter
 
@@ -55,7 +55,9 @@ class LookupFirstDrafter(Drafter):
         policies = self.__dict__.setdefault("_draft_policies", {})
         key = (max_k, greedy)
         if key not in policies:
-            policies[key] = PerSourceDraftLength(lambda: self.copies(self._tokens), max_k)
+            policies[key] = PerSourceDraftLength(
+                lambda: self.copies(self._tokens), self.lookup.draft_policy(max_k, greedy),
+                self.model_drafter.draft_policy(max_k, greedy))
         return policies[key]
 
 
@@ -65,9 +67,9 @@ class PerSourceDraftLength:
 
     reads_tokens = True  # which source drafts next depends on the latest committed tokens
 
-    def __init__(self, copies, max_k: int):
+    def __init__(self, copies, lookup_policy, model_policy):
         self.copies = copies
-        self.lookup, self.model = AdaptiveDraftLength(max_k), AdaptiveDraftLength(max_k)
+        self.lookup, self.model = lookup_policy, model_policy  # each source's own (a tree's too)
         self._current = self.model
 
     def next_k(self) -> int:
