@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
-from ..file_checks import check_safetensors, read_json_object
+from ..file_checks import check_safetensors, one_line, read_json_object
 from .atomic import atomic_output_dir, check_output_dir
 
 ALLOW_PATTERNS = [
@@ -227,11 +227,9 @@ def config_fixes(config: Dict[str, Any]) -> Dict[str, Any]:
     return fixes
 
 
-def _one_line(err: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(err).split())
-    if isinstance(err, KeyError):  # e.g. an expert's tensor that sanitize looked up to stack
-        text = f"missing {text}"
-    return text if len(text) <= limit else text[:limit] + " ..."
+def _one_line(err: BaseException) -> str:
+    # A KeyError is a tensor sanitize looked up, e.g. an expert's to stack.
+    return one_line(f"missing {err}" if isinstance(err, KeyError) else err)
 
 
 def _fuse_experts(weights: Dict[str, mx.array], num_experts: int) -> Dict[str, mx.array]:

@@ -12,6 +12,12 @@ from typing import Any, Iterable
 _FIX = "fix or replace the file"
 
 
+def one_line(err: object, limit: int = 400) -> str:
+    """A library's error message as one line of at most `limit` characters, for `Error: ...`."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def read_json(path: str | Path) -> Any:
     """The parsed JSON of `path`; ValueError naming the file when it is not JSON text."""
     path = Path(path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..file_checks import read_json_object
+from ..file_checks import one_line, read_json_object
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -67,11 +67,6 @@ def quiet_transformers():
         logging.set_verbosity(before)
 
 
-def one_line(err: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
 def check_size_against_files(model_dir: Path) -> None:
     """transformers allocates the model its config describes before it reads a weight; a config
     it reads otherwise than mlx-lm does (a converted text-only Qwen3.5's flat settings become
@@ -86,7 +81,7 @@ def check_size_against_files(model_dir: Path) -> None:
             with torch.device("meta"):
                 skeleton = AutoModelForCausalLM.from_config(config)
     except (KeyError, ValueError) as err:  # an architecture transformers does not know
-        raise ValueError(f"transformers cannot load {model_dir}: {one_line(err)}") from None
+        raise ValueError(f"transformers cannot load {model_dir}: {one_line(err, 300)}") from None
     wanted = sum(p.numel() for p in skeleton.parameters())
     held = 0
     for path in model_dir.glob("*.safetensors"):
@@ -118,8 +113,9 @@ def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype)
     except (KeyError, ValueError) as err:  # an architecture transformers does not know
         raise ValueError(f"transformers cannot load {model_dir}: {err}") from None
     except RuntimeError as err:  # e.g. a tensor of another shape
-        raise ValueError(f"transformers cannot load {model_dir}: {one_line(err)}; {_LAYOUT_HINT}"
-                         ) from None
+        raise ValueError(
+            f"transformers cannot load {model_dir}: {one_line(err, 300)}; {_LAYOUT_HINT}"
+        ) from None
     unread = list(info.get("missing_keys") or []) + [
         str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or []]
     if unread:  # transformers would run those weights as initialised: random
