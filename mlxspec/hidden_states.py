@@ -81,18 +81,28 @@ class _InputRecorder:
 
 
 @contextmanager
+def instance_attributes(values: list[tuple[object, str, object]]):
+    """Set each (owner, name, value) on the owner instance for one call and remove it in a
+    `finally`: attribute lookup finds it before the owner's own child module of that name, which
+    shows again afterwards, so no module (nor its parameters) is ever replaced."""
+    try:
+        for owner, name, value in values:
+            object.__setattr__(owner, name, value)
+        yield
+    finally:
+        for owner, name, _ in values:
+            if name in vars(owner):
+                object.__delattr__(owner, name)
+
+
+@contextmanager
 def record_inputs(modules: list[tuple[object, str]]):
     """Yield a list that, after the forward pass, holds (module, input, cache) for each call of
     the modules named by (owner, attribute name), in call order; a model may keep one cache per
     layer or skip the layers that hold none (Nemotron-H's MLP blocks), so each call says which
-    cache it updated. Set on the owner instance for one call and removed in a `finally`, so the
-    module itself (and its parameters) is never replaced."""
+    cache it updated."""
     calls = []
-    try:
-        for owner, name in modules:
-            object.__setattr__(owner, name, _InputRecorder(getattr(owner, name), calls))
+    recorders = [(owner, name, _InputRecorder(getattr(owner, name), calls))
+                 for owner, name in modules]
+    with instance_attributes(recorders):
         yield calls
-    finally:
-        for owner, name in modules:
-            if name in vars(owner):
-                object.__delattr__(owner, name)

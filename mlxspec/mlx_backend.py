@@ -6,13 +6,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
-from .engine import Draft, Pass, Verdict, common_prefix_length
+from .engine import Draft, Pass, Verdict
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
+from .prompt_cache import KeptCache
 from .sampling import SamplingConfig, sample_token
 from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
 from .tree import TreeShape
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
-from .tree_pass import holds_trees, keep_branch, tree_pass
+from .tree_pass import attention_modules, holds_trees, keep_branch, tree_pass
 
 
 def model_setting(model, name: str):
@@ -110,6 +111,7 @@ class MLXTarget:
         self._taped = [] if fused_kernel_would_run() else tape_modules(
             [getattr(layer, name) for layer, name in self._mixers])
         self._last_pass = None  # (states before it, its input tokens, mixer replays, tape)
+        self._attentions = None  # the modules a tree pass gives per-node RoPE positions, once
         if speculative:
             bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
             if bad:
@@ -174,8 +176,9 @@ class MLXTarget:
     def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
         """One pass over a tree of drafts: every node sees its ancestors only (tree_pass)."""
         shape = TreeShape(draft.parents)
-        self._tree_at = self.offset  # where the pending token goes: the branch is kept after it
-        with tree_pass(self.model, self.cache, shape) as cache:
+        if self._attentions is None:
+            self._attentions = attention_modules(self.model)
+        with tree_pass(self._attentions, self.cache, shape) as cache:
             logits, features = self._forward(inputs, cache)  # (N+1, V), (N+1, H*n)
         if sampling.greedy:
             accepted, next_token, path = accept_tree_greedy(logits, drafts, shape)
@@ -196,8 +199,9 @@ class MLXTarget:
     def settle(self, verdict: Verdict) -> None:
         if verdict.branch is None:
             self.trim(len(verdict.draft_tokens) - verdict.accepted)
-        else:
-            keep_branch(self.cache, self._tree_at, verdict.branch)
+        else:  # the pass put the pending token, then every node, after what the cache held
+            pending_at = self.offset - len(verdict.draft_tokens) - 1
+            keep_branch(self.cache, pending_at, verdict.branch)
 
     def holds_trees(self) -> bool:
         return holds_trees(self.cache)
@@ -262,42 +266,18 @@ class MLXTarget:
         return cache_offset(self.cache) or 0
 
 
-class PromptCache:
-    """A target KV cache kept across calls, e.g. chat turns: each new prompt reuses the longest
-    prefix it shares with what the cache holds, so a turn prefills only the new tokens. A cache
-    that cannot be cut back (a hybrid's recurrent layers, a sliding window past its edge) is
-    kept when the new prompt extends all it holds, as the next chat turn does, else rebuilt."""
+class PromptCache(KeptCache):
+    """mlx-lm's per-layer caches kept across calls (chat turns): see KeptCache."""
 
-    def __init__(self):
-        self.cache: list | None = None
-        self.tokens: list[int] = []  # the tokens whose keys and values (or states) it holds
+    def _new(self, model) -> list:
+        return make_prompt_cache(model)
 
-    def take(self, model, prompt: Sequence[int]) -> list:
-        """The cache cut back to the longest prefix it shares with `prompt` (never all of it: the
-        last prompt token is the loop's pending token)."""
-        keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
-        if self.cache is None or (keep < len(self.tokens) and not self._can_cut()):
-            self.cache, self.tokens, keep = make_prompt_cache(model), [], 0
-        self._trim_to(keep)
-        return self.cache
-
-    def remember(self, tokens: Sequence[int]) -> None:
-        """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
-        anything it holds past them (drafts of a stopped reply) is cut back, or where it cannot
-        be (or no layer counts positions), the next call starts afresh."""
-        held = cache_offset(self.cache or [])
-        if held is None or (held > len(tokens) and not self._can_cut()):
-            self.cache, self.tokens = None, []
-            return
-        self.tokens = list(tokens[:held])
-        self._trim_to(len(self.tokens))
+    def _held(self) -> int | None:
+        return cache_offset(self.cache)
 
     def _can_cut(self) -> bool:
         return all(c.is_trimmable() for c in self.cache)
 
-    def _trim_to(self, keep: int) -> None:
-        held = cache_offset(self.cache) or 0
-        if held > keep:
-            for c in self.cache:
-                c.trim(held - keep)
-        self.tokens = self.tokens[:keep]
+    def _cut(self, n: int) -> None:
+        for c in self.cache:
+            c.trim(n)

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
+from .hidden_states import instance_attributes
+
 _UPDATE = "gated_delta_update"
 
 
@@ -70,20 +72,17 @@ def state_tape(modules: list):
         namespace = vars(sys.modules[type(m).__module__])
         namespaces.setdefault(id(namespace), (namespace, namespace[_UPDATE]))
     tape = {}
+    recorders = [(m, "conv1d", _ConvRecorder(m, m.conv1d, events)) for m in modules]
     try:
-        for m in modules:
-            object.__setattr__(m, "conv1d", _ConvRecorder(m, m.conv1d, events))
         for namespace, update in namespaces.values():
             namespace[_UPDATE] = _per_position(update, events)
-        yield tape
+        with instance_attributes(recorders):
+            yield tape
         tape.update({id(owner): (x, states) for owner, x, states in events
                      if states is not None})
     finally:
         for namespace, update in namespaces.values():
             namespace[_UPDATE] = update
-        for m in modules:
-            if "conv1d" in vars(m):
-                object.__delattr__(m, "conv1d")
 
 
 def select(cache, conv_input: mx.array, states: list, keep: int) -> None:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from .hidden_states import instance_attributes
 from .tree import TreeShape
 
 
@@ -62,26 +63,21 @@ class _TreeRoPE:
         return getattr(self.rope, name)
 
 
-def _attentions(model) -> list:
+def attention_modules(model) -> list:
+    """The model's modules that hold a `rope`: its attention layers."""
     return [m for _, m in model.named_modules() if isinstance(m, dict) and "rope" in m]
 
 
 @contextmanager
-def tree_pass(model, cache: list, shape: TreeShape):
-    """Yield the cache list to give the model for one pass over [pending, nodes] of `shape`."""
+def tree_pass(attentions: list, cache: list, shape: TreeShape):
+    """Yield the cache list to give the model (whose `attention_modules` are `attentions`) for
+    one pass over [pending, nodes] of `shape`."""
     offset = cache[0].offset
     mask = mx.concatenate([mx.ones((shape.size + 1, offset), dtype=mx.bool_),
                            ancestor_mask(shape)], axis=1)
     depth = mx.array(shape.depth, dtype=mx.int32)
-    attentions = _attentions(model)
-    try:
-        for attention in attentions:
-            object.__setattr__(attention, "rope", _TreeRoPE(attention["rope"], depth))
+    with instance_attributes([(a, "rope", _TreeRoPE(a["rope"], depth)) for a in attentions]):
         yield [_TreeView(c, mask) for c in cache]
-    finally:
-        for attention in attentions:
-            if "rope" in vars(attention):
-                object.__delattr__(attention, "rope")
 
 
 def _move(buffer, start: int, sources: mx.array):

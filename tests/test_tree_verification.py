@@ -17,7 +17,7 @@ from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.sampling import SamplingConfig, processed_logprobs
 from mlxspec.tree import TreeShape
-from mlxspec.tree_pass import tree_pass
+from mlxspec.tree_pass import attention_modules, tree_pass
 
 VOCAB, N = 24, 14
 SHAPE = TreeShape((0, 0, 0, 1, 1, 4, 2, 6))  # 3 children at the root, depth 4 under the first
@@ -42,7 +42,7 @@ def test_each_node_is_scored_after_its_own_branch(target):
     tokens = [7, 8, 9, 10, 11, 12, 13, 14]
     cache = make_prompt_cache(target)
     target(mx.array(context[:-1])[None], cache=cache)
-    with tree_pass(target, cache, SHAPE) as view:
+    with tree_pass(attention_modules(target), cache, SHAPE) as view:
         logits = target(mx.array([context[-1]] + tokens)[None], cache=view)[0]
     for node, branch in enumerate(paths(SHAPE)):
         sequence = context + [tokens[n - 1] for n in branch]

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from ..engine import Draft, Pass, common_prefix_length
+from ..engine import Draft, Pass
+from ..prompt_cache import KeptCache
 from ..sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
 from .sampling import sample_token
@@ -184,7 +185,8 @@ class TorchTarget:
         # drafts and running its kept tokens again (the attention layers are cropped first).
         self._recurrent = recurrent_layers(self.cache)
         self._last_pass = None  # (recurrent states before it, its input tokens)
-        stuck = layers_that_cannot_roll_back(self.cache) if speculative else []
+        self._stuck = layers_that_cannot_roll_back(self.cache)  # its layers' kinds stay
+        stuck = self._stuck if speculative else []
         if stuck:
             raise ValueError(
                 f"speculative decoding needs a cache that can roll back rejected drafts; this "
@@ -281,7 +283,7 @@ class TorchTarget:
     def rollback_room(self) -> int | None:
         """A sliding-window layer (DynamicSlidingWindowLayer) keeps its last window - 1 positions:
         a pass crops back exactly only while the positions it adds fit beside what it holds."""
-        if layers_that_cannot_roll_back(self.cache):
+        if self._stuck:
             return 0
         rooms = [layer.sliding_window - 1 - layer.get_seq_length()
                  for layer in getattr(self.cache, "layers", None) or []
@@ -293,36 +295,18 @@ class TorchTarget:
         return cache_length(self.cache)
 
 
-class TorchPromptCache:
+class TorchPromptCache(KeptCache):
     """mlxspec.PromptCache for the torch backend: a DynamicCache kept across calls (chat turns);
-    each new prompt reuses the longest prefix it shares with what the cache holds. A cache that
-    cannot be cropped (a hybrid's recurrent layers) is kept when the new prompt extends all it
-    holds, as the next chat turn does, else rebuilt."""
+    see KeptCache."""
 
-    def __init__(self):
-        self.cache = None
-        self.tokens: list[int] = []  # the tokens whose keys and values (or states) it holds
+    def _new(self, model):
+        return make_cache(model)
 
-    def take(self, model, prompt: Sequence[int]):
-        """The cache cropped to the longest common prefix with `prompt` (never all of it: the
-        last prompt token is the loop's pending token)."""
-        keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
-        if self.cache is None or (keep < len(self.tokens) and not can_crop(self.cache)):
-            self.cache, self.tokens, keep = make_cache(model), [], 0
-        self._trim_to(keep)
-        return self.cache
+    def _held(self) -> int:
+        return cache_length(self.cache)
 
-    def remember(self, tokens: Sequence[int]) -> None:
-        """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
-        anything the cache holds past them (drafts after a stop token) is cropped, or where it
-        cannot be, the next call starts afresh."""
-        held = cache_length(self.cache)
-        if held > len(tokens) and not can_crop(self.cache):
-            self.cache, self.tokens = None, []
-            return
-        self.tokens = list(tokens[:held])
-        self._trim_to(len(self.tokens))
+    def _can_cut(self) -> bool:
+        return can_crop(self.cache)
 
-    def _trim_to(self, keep: int) -> None:
-        crop(self.cache, cache_length(self.cache) - keep)
-        self.tokens = self.tokens[:keep]
+    def _cut(self, n: int) -> None:
+        crop(self.cache, n)

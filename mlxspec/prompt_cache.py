@@ -1,0 +1,54 @@
+"""A target cache kept across calls (chat turns), written once for both backends: which prefix
+of a new prompt it can keep is host bookkeeping; only making, measuring and cutting the cache are
+the backend's."""
+
+from typing import Sequence
+
+from .engine import common_prefix_length
+
+
+class KeptCache:
+    """Each new prompt reuses the longest prefix it shares with what the cache holds, so a turn
+    prefills only the new tokens. A cache that cannot be cut back (a hybrid's recurrent layers,
+    a sliding window past its edge) is kept when the new prompt extends all it holds, as the next
+    chat turn does, else rebuilt. Subclasses say how the backend's cache is made and cut."""
+
+    def __init__(self):
+        self.cache = None
+        self.tokens: list[int] = []  # the tokens whose keys and values (or states) it holds
+
+    def _new(self, model): ...
+
+    def _held(self) -> int | None:
+        """Positions the cache holds; None when no layer counts them."""
+        ...
+
+    def _can_cut(self) -> bool: ...
+
+    def _cut(self, n: int) -> None: ...
+
+    def take(self, model, prompt: Sequence[int]):
+        """The cache cut back to the longest prefix it shares with `prompt` (never all of it: the
+        last prompt token is the loop's pending token)."""
+        keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
+        if self.cache is None or (keep < len(self.tokens) and not self._can_cut()):
+            self.cache, self.tokens, keep = self._new(model), [], 0
+        self._trim_to(keep)
+        return self.cache
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """After a generation: `tokens` (prompt + output) begins with what the cache now holds;
+        anything it holds past them (drafts of a stopped reply) is cut back, or where it cannot
+        be (or no layer counts positions), the next call starts afresh."""
+        held = self._held() if self.cache is not None else 0
+        if held is None or (held > len(tokens) and not self._can_cut()):
+            self.cache, self.tokens = None, []
+            return
+        self.tokens = list(tokens[:held])
+        self._trim_to(len(self.tokens))
+
+    def _trim_to(self, keep: int) -> None:
+        held = self._held() or 0
+        if held > keep:
+            self._cut(held - keep)
+        self.tokens = self.tokens[:keep]
