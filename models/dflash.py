@@ -146,6 +146,14 @@ class DFlashConfig:
         return rope
 
 
+def rope_for(args):
+    """mlx-lm's RoPE module for a drafter config's one rope dict (`args.rope`: its type, theta
+    and scaling), as DFlash and EAGLE-3 drafters both use it."""
+    return initialize_rope(args.head_dim, args.rope["rope_theta"], traditional=False,
+                           scaling_config=args.rope,
+                           max_position_embeddings=args.max_position_embeddings)
+
+
 class Attention(nn.Module):
     """Queries from the block; keys/values from [context ; block] with the same weights."""
 
@@ -241,14 +249,7 @@ class DFlashModel(nn.Module):
             self.embed_tokens = nn.Embedding(args.vocab_size, H)
         if own_head:
             self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
-        rope = args.rope
-        self.rope = initialize_rope(
-            args.head_dim,
-            rope["rope_theta"],
-            traditional=False,
-            scaling_config=rope,
-            max_position_embeddings=args.max_position_embeddings,
-        )
+        self.rope = rope_for(args)
 
     @property
     def dtype(self) -> mx.Dtype:

@@ -24,7 +24,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
-from mlx_lm.models.rope_utils import initialize_rope
+
+from .dflash import rope_for
 
 LAYOUTS = ("speculators", "specforge")
 # transformers' config defaults for the layer types a published drafter names: what a config
@@ -323,14 +324,7 @@ class Eagle3Model(nn.Module):
         self._head = None  # the target's head (or a tied embedding) when it has no lm_head
         # target id = draft id + d2t[draft id]; None: the draft vocabulary is the target's
         self._d2t = None
-        rope = args.rope
-        self.rope = initialize_rope(
-            args.head_dim,
-            rope["rope_theta"],
-            traditional=False,
-            scaling_config=rope,
-            max_position_embeddings=args.max_position_embeddings,
-        )
+        self.rope = rope_for(args)
 
     @property
     def dtype(self) -> mx.Dtype:
