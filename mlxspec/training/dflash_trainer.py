@@ -27,15 +27,13 @@ on held-out prompts is measured by the real verification loop with the current d
 
 import json
 import os
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from ..drafters.dflash import (
     DFlashDrafter,
@@ -57,21 +55,25 @@ from ..models.dflash import (
     draft_vocab_json,
     read_weights,
 )
-from .data import (
-    SequenceStore,
-    _atomic_save_safetensors,
-    _atomic_write_text,
-    build_sequences,
-    encode_prompt,
-    eos_ids,
-    fingerprint,
-    load_examples,
-    split_heldout,
+from .data import _atomic_save_safetensors, _atomic_write_text, eos_ids
+from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from here by callers)
+    FIT_HORIZON,
+    STATE_DIR,
+    Recipe,
+    RunSettings,
+    TrainResult,
+    answer_share,
+    epoch_order,
+    frequent_tokens,
+    heldout_tau,
+    load_tree,
+    prepare_data,
+    save_tree,
+    schedule as _schedule,
+    train,
+    trainable_ids,
 )
 
-FIT_HORIZON = 10**9  # the provisional schedule length while a time-fitted run times its warmup
-FIT_MIN_STEPS = 4  # steps timed at least before fitting
-STATE_DIR = "train_state"
 
 
 def default_gamma(block_size: int) -> float:
@@ -385,54 +387,11 @@ class SubsetHead:
         return hidden @ self.weight.T
 
 
-def answer_counts(sequences, vocab_size: int) -> np.ndarray:
-    """How often each id occurs in the responses (prompt tokens are never labels)."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for tokens, prompt_len in sequences:
-        np.add.at(counts, np.asarray(tokens[prompt_len:], dtype=np.int64), 1)
-    return counts
-
-
-def frequent_tokens(sequences, vocab_size: int, count: int, always=()) -> list[int]:
-    """The `count` most frequent ids of the responses, plus `always` (end tokens), sorted."""
-    counts = answer_counts(sequences, vocab_size)
-    keep = set(np.argsort(-counts, kind="stable")[:count].tolist()) | {int(t) for t in always}
-    return sorted(keep)
-
-
-def answer_share(sequences, token_ids, vocab_size: int) -> float:
-    """The share of the responses' tokens that are among `token_ids`: what a loss (and draft)
-    vocabulary holds of the data, since a token outside it is never learned nor drafted."""
-    counts = answer_counts(sequences, vocab_size)
-    total = counts.sum()
-    return float(counts[np.asarray(token_ids)].sum() / total) if total else 0.0
-
-
 def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count: int) -> np.ndarray:
     """Up to `count` distinct anchors, sorted, among the answer's positions that have a next
     token: from the prompt's last token (its block predicts the answer's first) to length - 2."""
     lo, hi = max(prompt_len - 1, 0), length - 1
     return np.sort(rng.choice(np.arange(lo, hi), size=min(count, hi - lo), replace=False))
-
-
-def trainable_ids(store, max_seq_len: int) -> list[int]:
-    """Store ids of the sequences with a response to learn from once cut at `max_seq_len`
-    (at least two answer positions); an epoch's order indexes this list."""
-    return [i for i in range(len(store))
-            if min(len(store[i][0]), max_seq_len) - max(store[i][1] - 1, 0) >= 2]
-
-
-def epoch_order(seed: int, epoch: int, sizes: list[int]) -> np.ndarray:
-    """The order in which an epoch visits training sequences 0..sizes[-1]-1: a shuffle of the
-    first sizes[0], then a shuffle of each block added while the epoch ran (`sizes` grows when
-    a run resumes on a larger store). Reshuffling the grown store instead would reorder the
-    rest of the epoch and revisit sequences it had already trained on."""
-    parts, start = [], 0
-    for k, size in enumerate(sizes):
-        key = [seed, epoch] if k == 0 else [seed, epoch, k]
-        parts.append(start + np.random.default_rng(key).permutation(size - start))
-        start = size
-    return np.concatenate(parts)
 
 
 def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma, labels=None):
@@ -526,131 +485,12 @@ def package_drafter(run_dir, dest, target, *, dtype=mx.bfloat16, notes: dict | N
     return dest
 
 
-# ---- τ on held-out prompts ---------------------------------------------------------------------
-
-
-def heldout_tau(target, drafter, prompts: list[list[int]], *, tokenizer=None,
-                max_tokens: int = 64) -> float:
-    """Tokens per target pass over all held-out prompts, by the real loop (greedy, full blocks).
-
-    With a tokenizer this is `mlxspec.stream_generate` (stops at eos); without one the engine's
-    `speculative_tokens` with an `MLXTarget`, the loop stream_generate wraps.
-    """
-    generated = passes = 0
-    for ids in prompts:
-        if tokenizer is not None:
-            from ..generate import stream_generate
-
-            last = None
-            for last in stream_generate(target, tokenizer, ids, max_tokens, drafter=drafter,
-                                        adaptive=False):
-                pass
-            generated += last.tau * last.target_passes
-            passes += last.target_passes
-        else:
-            from ..engine import SpecStats, speculative_tokens
-            from ..mlx_backend import MLXTarget
-            from ..sampling import SamplingConfig
-
-            stats = SpecStats()
-            for _ in speculative_tokens(
-                MLXTarget(target, capture_layers=drafter.capture_layers, speculative=True),
-                drafter, ids, sampling=SamplingConfig(), max_tokens=max_tokens,
-                num_draft=drafter.block_size - 1, stats=stats,
-            ):
-                pass
-            generated += stats.generated
-            passes += stats.target_passes
-    return generated / passes if passes else 0.0
-
-
 # ---- The trainer ------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainResult:
-    out: Path
-    step: int
-    losses: list = field(default_factory=list)  # (step, loss) of this call's steps
-    taus: list = field(default_factory=list)  # (step, τ)
-    block_tokens_per_s: float = 0.0
-    loss_vocab_share: float | None = None  # of the answer tokens, with a loss vocabulary
-
-
-def _save_tree(path: Path, tree, tmp_dir: Path) -> None:
-    flat = dict(tree_flatten(tree))
-    _atomic_save_safetensors(path, flat or {"__empty__": mx.zeros(1)}, tmp_dir=tmp_dir)
-
-
-def _load_tree(path: Path):
-    flat = mx.load(str(path))
-    flat.pop("__empty__", None)
-    return tree_unflatten(list(flat.items()))
-
-
-class FittedSchedule:
-    """Warmup then cosine decay, whose length can be set once the run knows it: `train_dflash`
-    with a time budget and no step count times its warmup steps (which do not depend on the
-    length) and then fits the cosine into the time left."""
-
-    def __init__(self, lr: float, warmup: int, steps: int):
-        self.lr, self.warmup = lr, warmup
-        self.set_length(steps)
-
-    def set_length(self, steps: int) -> None:
-        self.steps, self._schedule = steps, _schedule(self.lr, self.warmup, steps)
-
-    def __call__(self, step):
-        return self._schedule(step)
-
-
-def _schedule(lr: float, warmup: int, steps: int, min_ratio: float = 0.1):
-    warmup = max(min(warmup, steps - 1), 0)
-    decay = optim.cosine_decay(lr, max(steps - warmup, 1), lr * min_ratio)
-    if warmup == 0:
-        return decay
-    return optim.join_schedules([optim.linear_schedule(lr * 0.01, lr, warmup), decay], [warmup])
-
-
-def _resolve_target(target, tokenizer):
-    if target is None or isinstance(target, (str, os.PathLike)):
-        from ..loading import load
-
-        model, tok = load(target)
-        return model, tokenizer if tokenizer is not None else tok
-    return target, tokenizer
-
-
-def prepare_data(target, tokenizer, prompts, data_dir, *, responses="target",
-                 max_new_tokens=256, max_prompt_tokens=512, num_prompts=None, heldout=8, seed=0,
-                 generator=None, generate_batch_size=32, progress=True):
-    """(store, train examples, held-out examples): the training sequences in `data_dir`, made
-    (or completed, after an interruption or with more prompts) from `prompts`. Responses come
-    from `generator` (default: the target itself; a torch copy of the same weights is faster
-    batched on CPU)."""
-    examples = load_examples(prompts, num_prompts)
-    train_examples, heldout_examples = split_heldout(examples, heldout, seed)
-    if not train_examples:
-        raise ValueError("no training prompts")
-    meta = {
-        "target": [target_sizes(target), float(target_embedding(target).weight[:8].sum().item())],
-        "source": prompts if isinstance(prompts, str) else fingerprint(examples),
-        "responses": responses, "max_new_tokens": max_new_tokens,
-        "max_prompt_tokens": max_prompt_tokens, "heldout": heldout, "seed": seed,
-    }
-    if not isinstance(prompts, str):
-        meta["source"] = fingerprint(train_examples[:1])  # stable as the list grows
-    store = SequenceStore(data_dir, meta=meta)
-    build_sequences(store, generator if generator is not None else target, tokenizer,
-                    train_examples, responses=responses, max_new_tokens=max_new_tokens,
-                    max_prompt_tokens=max_prompt_tokens, batch_size=generate_batch_size,
-                    progress=progress)
-    return store, train_examples, heldout_examples
 
 
 class MLXDFlashTraining:
     """The tensor math of training on MLX: features, one optimizer step, optimizer state.
-    (The torch twin is mlxspec.torch_backend.dflash_training; the loop is `train_dflash`.)"""
+    (The torch twin is mlxspec.torch_backend.dflash_training; the loop is training.run.train.)"""
 
     def __init__(self, target, args: DFlashConfig, weights: dict, *, schedule, weight_decay,
                  grad_clip, gamma, loss_ids, inv_scale, labels="text"):
@@ -668,16 +508,8 @@ class MLXDFlashTraining:
         self._grad = nn.value_and_grad(self.model, self._loss)
 
     def features(self, tokens: list[int]):
-        """(features, labels by position): the target's predictions, or None (`block_loss`'s
-        default: the tokens themselves)."""
-        ids = self.args.target_layer_ids
-        labels = None
-        if self.target_labels:
-            feats, predicted = target_features(self.target, tokens, ids, predictions=True)
-            labels = mx.array(shifted_labels(tokens, predicted), dtype=mx.int32)
-        else:
-            feats = target_features(self.target, tokens, ids)
-        return (feats * self.inv_scale if self.inv_scale is not None else feats), labels
+        return sequence_features(self.target, tokens, self.args.target_layer_ids,
+                                 self.inv_scale, self.target_labels)
 
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
         """`features` of each sequence, one at a time (the MLX step loops over them too)."""
@@ -693,21 +525,143 @@ class MLXDFlashTraining:
         return total / weight, correct
 
     def step(self, batch) -> tuple[float, int]:
-        (loss, correct), grads = self._grad(batch)
-        if self.grad_clip:
-            grads, _ = optim.clip_grad_norm(grads, self.grad_clip)
-        self.optimizer.update(self.model, grads)
-        mx.eval(loss, correct, self.model.parameters(), self.optimizer.state)
-        return loss.item(), int(correct.item())
+        return optimizer_step(self, batch)
 
     def weights(self) -> dict[str, mx.array]:
         return dict(tree_flatten(self.model.parameters()))
 
     def save_optimizer(self, state_dir: Path) -> None:
-        _save_tree(state_dir / "optimizer.safetensors", self.optimizer.state, state_dir)
+        save_tree(state_dir / "optimizer.safetensors", self.optimizer.state, state_dir)
 
     def load_optimizer(self, state_dir: Path) -> None:
-        self.optimizer.state = _load_tree(state_dir / "optimizer.safetensors")
+        self.optimizer.state = load_tree(state_dir / "optimizer.safetensors")
+
+
+def sequence_features(target, tokens: list[int], layer_ids, inv_scale, target_labels: bool):
+    """(scaled features, labels by position): with `target_labels` the target's teacher-forced
+    greedy predictions, else None (the tokens themselves)."""
+    labels = None
+    if target_labels:
+        feats, predicted = target_features(target, tokens, layer_ids, predictions=True)
+        labels = mx.array(shifted_labels(tokens, predicted), dtype=mx.int32)
+    else:
+        feats = target_features(target, tokens, layer_ids)
+    return (feats * inv_scale if inv_scale is not None else feats), labels
+
+
+def optimizer_step(training, batch) -> tuple[float, int]:
+    """One AdamW step of an MLX training object (its `_grad`, `model`, `optimizer`,
+    `grad_clip`): (loss, correct first-slot predictions)."""
+    (loss, correct), grads = training._grad(batch)
+    if training.grad_clip:
+        grads, _ = optim.clip_grad_norm(grads, training.grad_clip)
+    training.optimizer.update(training.model, grads)
+    mx.eval(loss, correct, training.model.parameters(), training.optimizer.state)
+    return loss.item(), int(correct.item())
+
+
+class DFlashRecipe(Recipe):
+    """DFlash (block drafting from target features): anchors drawn in the answer, blocks of
+    `block_size`, slot weights exp(-(k-1)/gamma); see the module docstring."""
+
+    name = "dflash"
+    state_keys = ("gamma", "anchors")
+
+    def __init__(self, *, layers=None, block_size=16, target_layer_ids=None, anchors=64,
+                 gamma=None, init="target", init_final_norm=False, mask_token_id=None,
+                 drafter_overrides=None, backend="mlx", torch_target=None, device=None):
+        if gamma is not None and not gamma > 0:
+            raise ValueError(f"gamma (the slot weights' decay) must be > 0, got {gamma}")
+        if layers is not None and layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        self.start_from = None
+        if init not in ("target", "random"):
+            self.start_from = Path(init).expanduser()
+            if not (self.start_from / "config.json").is_file():
+                raise ValueError(f"init must be 'target', 'random' or a DFlash checkpoint "
+                                 f"directory; {init!r} has no config.json")
+        self.layers, self.block_size, self.target_layer_ids = layers, block_size, target_layer_ids
+        self.anchors, self.gamma, self.init = anchors, gamma, init
+        self.init_final_norm, self.mask_token_id = init_final_norm, mask_token_id
+        self.drafter_overrides = drafter_overrides
+        self.backend, self.torch_target, self.device = backend, torch_target, device
+
+    def check_growth(self, continued: Path | None) -> None:
+        """Layers can be added to a drafter that exists, not removed."""
+        if self.layers is not None and continued is not None:
+            have = json.loads((continued / "config.json").read_text())["num_hidden_layers"]
+            if self.layers < have:
+                raise ValueError(f"{continued} holds a {have}-layer drafter; layers can be added "
+                                 f"to it, not removed (got layers={self.layers})")
+
+    def config(self, target, tokenizer, run, loss_ids):
+        if self.start_from is not None:  # continue a trained drafter (its config wins)
+            config = json.loads((self.start_from / "config.json").read_text())
+            config["torch_dtype"] = "float32"
+            check_against_target(DFlashConfig.from_dict(config), target)
+        else:
+            _, vocab, _ = target_sizes(target)
+            mask_id = self.mask_token_id if self.mask_token_id is not None \
+                else default_mask_token_id(tokenizer, vocab)
+            config = drafter_config_for(target, layers=self.layers or 1,
+                                        block_size=self.block_size,
+                                        target_layer_ids=self.target_layer_ids,
+                                        mask_token_id=mask_id, overrides=self.drafter_overrides)
+        if self.gamma is None:
+            self.gamma = default_gamma(config["block_size"])
+        return config
+
+    def feature_layers(self, config, target):
+        return DFlashConfig.from_dict(config).target_layer_ids
+
+    def fresh_weights(self, config, target, loss_ids):
+        fresh = DFlashModel(DFlashConfig.from_dict(config))
+        if self.init == "target":
+            init_from_target(fresh, target, final_norm=self.init_final_norm)
+        weights = dict(tree_flatten(fresh.parameters()))
+        if self.start_from is not None:
+            weights = {k: v.astype(mx.float32) for k, v in read_weights(self.start_from).items()}
+            check_weights(DFlashConfig.from_dict(config), weights)
+        return weights
+
+    def adapt(self, config, weights, inv_scale, target, resumed):
+        if self.start_from is not None and not resumed and inv_scale is not None:
+            # its fc has a scale folded in: train on the unfolded one
+            weights["fc.weight"] = weights["fc.weight"] / inv_scale[None]
+        have = config["num_hidden_layers"]
+        continued = resumed or self.start_from is not None
+        if continued and self.layers is not None and self.layers > have:
+            # New layers start with no AdamW moments. torch counts steps per parameter, so their
+            # bias correction starts afresh; MLX's AdamW has one step count, so on MLX their
+            # first few hundred updates are larger (up to ~6x, for a steady gradient) than a
+            # fresh one's.
+            config, weights = grow_drafter(config, weights, self.layers,
+                                           growth_donors(target, have, self.layers))
+        self.args = DFlashConfig.from_dict(config)
+        return config, weights
+
+    def math(self, target, config, weights, **options):
+        args = DFlashConfig.from_dict(config)
+        if self.backend == "torch":
+            from ..torch_backend.dflash_training import TorchDFlashTraining
+
+            return TorchDFlashTraining(self.torch_target, args, weights, device=self.device,
+                                       gamma=self.gamma, **options)
+        return MLXDFlashTraining(target, args, weights, gamma=self.gamma, **options)
+
+    def example(self, rng, tokens, prompt_len):
+        chosen = sample_anchors(rng, prompt_len, len(tokens), self.anchors)
+        return chosen, len(chosen) * self.args.block_size, len(chosen)
+
+    def write(self, out, config, weights, inv_scale, loss_ids):
+        write_checkpoint(out, config, weights, inv_scale, draft_vocab=loss_ids)
+
+    def drafter(self, config, weights, inv_scale, target, loss_ids):
+        return export_drafter(DFlashConfig.from_dict(config), weights, inv_scale, target,
+                              draft_vocab=loss_ids)
+
+    def eval_draft(self, config):
+        return config["block_size"] - 1
 
 
 def train_dflash(
@@ -719,56 +673,31 @@ def train_dflash(
     layers: int | None = None,
     block_size: int = 16,
     target_layer_ids=None,
-    steps: int | None = None,
-    resume: bool = False,
-    lr: float = 6e-4,
-    warmup: int | None = None,
-    weight_decay: float = 0.01,
-    grad_clip: float = 1.0,
     anchors: int = 64,
-    batch_size: int = 1,
     gamma: float | None = None,
-    max_seq_len: int = 1024,
-    max_new_tokens: int = 256,
-    max_prompt_tokens: int = 512,
-    num_prompts: int | None = None,
-    heldout: int = 8,
-    eval_every: int = 200,
-    eval_max_tokens: int = 64,
-    eval_prompts: int | None = None,
-    save_every: int = 50,
-    responses: str = "target",
-    labels: str = "text",
-    data_dir=None,
     init: str = "target",
-    normalize_features: bool = True,
     mask_token_id: int | None = None,
     drafter_overrides: dict | None = None,
-    seed: int = 0,
-    stop_after: int | None = None,
-    minutes: float | None = None,
-    loss_vocab: int | None = None,
     init_final_norm: bool = False,
     backend: str = "mlx",
     torch_target=None,
     device=None,
-    generator=None,
-    generate_batch_size: int = 32,
-    progress: bool = True,
+    **run_options,
 ) -> TrainResult:
     """Train (or with `resume`, continue training) a DFlash drafter for `target`; the checkpoint
     in `out` (config.json + model.safetensors) is loadable by `load_dflash_drafter`.
 
     target: an mlx-lm model (with `tokenizer` for text prompts), or a model path / repo id /
     None (the default SmolLM2) to load. prompts: "sharegpt", a .jsonl/.txt path, or a list of
-    strings or token-id lists (token ids need no tokenizer). Responses ("target": the target's
-    greedy answers; "conversation": the data's real answers) are cached in `data_dir` (default
-    out/data) and reused or continued by later calls. `steps` is the schedule's length (default
-    1000; a resume keeps its run's); `stop_after` stops early at that step (as an interruption
-    would, after saving); `minutes` stops (saved) after the step that ends past that much training
-    time, for a machine lent for a fixed time, keeping the schedule, so a resume carries on along
-    it. `minutes` without `steps` fits the schedule to the time: the warmup steps are timed and
-    the cosine gets the steps the time left allows (evaluations on the way shorten it).
+    strings or token-id lists (token ids need no tokenizer). The run's other options are
+    `RunSettings`' (mlxspec.training.run): responses ("target": the target's greedy answers;
+    "conversation": the data's real answers) are cached in `data_dir` (default out/data) and
+    reused or continued by later calls. `steps` is the schedule's length (default 1000; a resume
+    keeps its run's); `stop_after` stops early at that step (as an interruption would, after
+    saving); `minutes` stops (saved) after the step that ends past that much training time, for a
+    machine lent for a fixed time, keeping the schedule, so a resume carries on along it.
+    `minutes` without `steps` fits the schedule to the time: the warmup steps are timed and the
+    cosine gets the steps the time left allows (evaluations on the way shorten it).
     `layers`: the drafter's depth (default 1); continuing a drafter (`resume`, or `init` from a
     checkpoint) with more layers than it has appends layers that start as the identity
     (`grow_drafter`), so it drafts as before and the new layers learn from there.
@@ -785,266 +714,28 @@ def train_dflash(
     with `device`); the checkpoint, the data and the held-out τ (measured on the MLX target)
     are the same. A run resumes on the backend it started with.
     """
-    out = Path(out).expanduser()
-    state_dir = out / STATE_DIR
+    run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, backend=backend,
+                      **run_options)
     if backend not in ("mlx", "torch"):
         raise ValueError(f"backend must be 'mlx' or 'torch', got {backend!r}")
-    if labels not in ("text", "target"):
-        raise ValueError(f"labels must be 'text' or 'target', got {labels!r}")
-    if gamma is not None and not gamma > 0:
-        raise ValueError(f"gamma (the slot weights' decay) must be > 0, got {gamma}")
-    if layers is not None and layers < 1:
-        raise ValueError(f"layers must be >= 1, got {layers}")
-    if minutes is not None and not minutes > 0:
-        raise ValueError(f"minutes (the training time budget) must be > 0, got {minutes}")
-    if resume and not (state_dir / "state.json").is_file():
-        raise FileNotFoundError(f"{out} has no training state to resume ({STATE_DIR}/state.json)")
-    if steps is None and resume:
-        steps = json.loads((state_dir / "state.json").read_text())["steps"]
-    fit_to_time = steps is None and minutes is not None
-    if steps is None:
-        steps = FIT_HORIZON if fit_to_time else 1000
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if stop_after is not None and not 0 <= stop_after <= steps:
-        raise ValueError(f"stop_after must be within 0..steps ({steps}), got {stop_after}")
-    start_from = None
-    if init not in ("target", "random"):
-        start_from = Path(init).expanduser()
-        if not (start_from / "config.json").is_file():
-            raise ValueError(f"init must be 'target', 'random' or a DFlash checkpoint directory; "
-                             f"{init!r} has no config.json")
-    if not resume and (state_dir / "state.json").is_file():
-        raise FileExistsError(f"{out} already holds a training run; pass resume=True to continue it")
-    continued = out if resume else start_from  # a drafter whose config already exists
-    if layers is not None and continued is not None:
-        have = json.loads((continued / "config.json").read_text())["num_hidden_layers"]
-        if layers < have:
-            raise ValueError(f"{continued} holds a {have}-layer drafter; layers can be added "
-                             f"to it, not removed (got layers={layers})")
+    recipe = DFlashRecipe(layers=layers, block_size=block_size, target_layer_ids=target_layer_ids,
+                          anchors=anchors, gamma=gamma, init=init, init_final_norm=init_final_norm,
+                          mask_token_id=mask_token_id, drafter_overrides=drafter_overrides,
+                          backend=backend, torch_target=torch_target, device=device)
+    run.check()
+    recipe.check_growth(run.out if run.resume else recipe.start_from)
+    raw_features = None
+    if backend == "torch":
+        if torch_target is None:
+            if target is not None and not isinstance(target, (str, os.PathLike)):
+                raise ValueError("backend='torch' needs torch_target=, the target loaded with "
+                                 "mlxspec.load(..., backend='torch')")
+            from ..loading import load
 
-    if backend == "torch" and torch_target is None:
-        if target is not None and not isinstance(target, (str, os.PathLike)):
-            raise ValueError("backend='torch' needs torch_target=, the target loaded with "
-                             "mlxspec.load(..., backend='torch')")
-        from ..loading import load
+            recipe.torch_target = load(target, backend="torch", device=device,
+                                       torch_dtype="float32")[0]
+        from ..torch_backend.dflash_training import target_features as torch_features
 
-        torch_target = load(target, backend="torch", device=device, torch_dtype="float32")[0]
-    target, tokenizer = _resolve_target(target, tokenizer)
-
-    # -- data: held-out prompts for τ, training sequences in the store
-    store, train_examples, heldout_examples = prepare_data(
-        target, tokenizer, prompts, data_dir or out / "data", responses=responses,
-        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-        num_prompts=num_prompts, heldout=heldout, seed=seed, generator=generator,
-        generate_batch_size=generate_batch_size, progress=progress)
-    _, vocab, num_layers = target_sizes(target)
-    train_ids = trainable_ids(store, max_seq_len)
-    if not train_ids:
-        raise ValueError("no training sequence has a response to learn from")
-    heldout_prompts = [encode_prompt(tokenizer, p)[-max_prompt_tokens:]
-                       for p, _ in heldout_examples[:eval_prompts]]
-
-    # -- configuration, weights, optimizer
-    if resume:
-        config = json.loads((out / "config.json").read_text())
-        state = json.loads((state_dir / "state.json").read_text())
-        if state.get("backend", "mlx") != backend:
-            raise ValueError(f"{out} was trained with backend={state.get('backend', 'mlx')!r}; "
-                             f"resume it with that backend (the optimizer state is per backend)")
-        if state.get("labels", "text") != labels:
-            raise ValueError(f"{out} was trained with labels={state.get('labels', 'text')!r}; "
-                             f"resume it with the same labels")
-    elif start_from is not None:  # continue a trained drafter (its config wins)
-        config = json.loads((start_from / "config.json").read_text())
-        config["torch_dtype"] = "float32"
-        check_against_target(DFlashConfig.from_dict(config), target)
-    else:
-        mask_id = mask_token_id if mask_token_id is not None else default_mask_token_id(tokenizer, vocab)
-        config = drafter_config_for(target, layers=layers or 1, block_size=block_size,
-                                    target_layer_ids=target_layer_ids, mask_token_id=mask_id,
-                                    overrides=drafter_overrides)
-    args = DFlashConfig.from_dict(config)
-    ids = args.target_layer_ids
-    bs = args.block_size
-    if gamma is None:  # a resumed run keeps its own unless told otherwise
-        gamma = state["gamma"] if resume else default_gamma(bs)
-    warmup = warmup if warmup is not None else min(100, steps // 10)
-    schedule = FittedSchedule(lr, warmup, steps)
-    vocab_file = state_dir / "loss_vocab.safetensors"
-    scale_file = state_dir / "feature_scale.safetensors"
-    if resume:
-        weights = dict(mx.load(str(state_dir / "params.safetensors")))
-        loss_ids = mx.load(str(vocab_file))["ids"].tolist() if vocab_file.is_file() else None
-        inv_scale = mx.load(str(scale_file)).get("inv_scale")
-        rng = np.random.default_rng()
-        rng.bit_generator.state = state["rng"]
-        step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
-        epoch_sizes = state.get("epoch_sizes", [len(train_ids)])  # older states: no growth
-        if len(train_ids) < epoch_sizes[-1]:
-            raise ValueError(f"{out} was training on {epoch_sizes[-1]} sequences and the data "
-                             f"now holds {len(train_ids)}; resume with at least as many prompts")
-        if len(train_ids) > epoch_sizes[-1]:  # the store grew: new sequences join this epoch
-            epoch_sizes = epoch_sizes + [len(train_ids)]
-    else:
-        mx.random.seed(seed)
-        fresh = DFlashModel(args)
-        if init == "target":
-            init_from_target(fresh, target, final_norm=init_final_norm)
-        weights = dict(tree_flatten(fresh.parameters()))
-        if start_from is not None:
-            weights = {k: v.astype(mx.float32) for k, v in read_weights(start_from).items()}
-            check_weights(args, weights)
-        loss_ids = None
-        if loss_vocab and loss_vocab < vocab:
-            loss_ids = frequent_tokens((store[i] for i in train_ids), vocab, loss_vocab,
-                                       always=eos_ids(tokenizer))
-        inv_scale = None
-        if normalize_features:
-            if backend == "torch":  # the backend that trains computes its own features
-                from ..torch_backend.dflash_training import target_features as torch_features
-
-                def raw_features(tokens):
-                    return mx.array(torch_features(torch_target, tokens, ids)[0].cpu().numpy())
-            else:
-                def raw_features(tokens):
-                    return target_features(target, tokens, ids)
-            sq, count = 0.0, 0
-            for i in train_ids[:16]:
-                f = raw_features(store[i][0][:max_seq_len])
-                sq = sq + (f.astype(mx.float32) ** 2).sum(axis=0)
-                count += f.shape[0]
-            inv_scale = 1.0 / mx.maximum(mx.sqrt(sq / count), 1e-3)
-            mx.eval(inv_scale)
-            if start_from is not None:  # its fc has a scale folded in: train on the unfolded one
-                weights["fc.weight"] = weights["fc.weight"] / inv_scale[None]
-        rng = np.random.default_rng(seed)
-        step, epoch, cursor = 0, 0, 0
-        epoch_sizes = [len(train_ids)]
-        state = {"log": []}
-    if continued is not None and layers is not None and layers > args.num_hidden_layers:
-        # New layers start with no AdamW moments. torch counts steps per parameter, so their
-        # bias correction starts afresh; MLX's AdamW has one step count, so on MLX their first
-        # few hundred updates are larger (up to ~6x, for a steady gradient) than a fresh one's.
-        donors = growth_donors(target, args.num_hidden_layers, layers)
-        config, weights = grow_drafter(config, weights, layers, donors)
-        args = DFlashConfig.from_dict(config)
-    options = dict(schedule=schedule, weight_decay=weight_decay,
-                   grad_clip=grad_clip, gamma=gamma, loss_ids=loss_ids, inv_scale=inv_scale,
-                   labels=labels)
-    if backend == "mlx":
-        math = MLXDFlashTraining(target, args, weights, **options)
-    elif backend == "torch":
-        from ..torch_backend.dflash_training import TorchDFlashTraining
-
-        math = TorchDFlashTraining(torch_target, args, weights, device=device, **options)
-    else:
-        raise ValueError(f"backend must be 'mlx' or 'torch', got {backend!r}")
-    if resume:
-        math.load_optimizer(state_dir)
-
-    def save():
-        state_dir.mkdir(parents=True, exist_ok=True)
-        current = math.weights()
-        write_checkpoint(out, config, current, inv_scale, draft_vocab=loss_ids)
-        _atomic_save_safetensors(state_dir / "params.safetensors", current, tmp_dir=state_dir)
-        math.save_optimizer(state_dir)
-        _atomic_write_text(state_dir / "state.json", json.dumps({
-            "step": step, "epoch": epoch, "cursor": cursor, "epoch_sizes": epoch_sizes,
-            "rng": rng.bit_generator.state,
-            "steps": schedule.steps, "seed": seed, "anchors": anchors, "batch_size": batch_size,
-            "gamma": gamma, "lr": lr, "backend": backend, "loss_vocab": loss_vocab,
-            "max_seq_len": max_seq_len,
-            "labels": labels,
-            "log": state["log"],
-        }, indent=1))
-
-    def next_sequence():
-        nonlocal epoch, cursor, epoch_sizes
-        order = epoch_order(seed, epoch, epoch_sizes)
-        i = train_ids[int(order[cursor])]
-        cursor += 1
-        if cursor == len(order):
-            epoch, cursor, epoch_sizes = epoch + 1, 0, [len(train_ids)]
-        return i
-
-    def make_batch():
-        sequences, chosen, used = [], [], []
-        for _ in range(batch_size):
-            used.append(next_sequence())
-            tokens, prompt_len = store[used[-1]]
-            sequences.append(tokens[:max_seq_len])
-            chosen.append(sample_anchors(rng, prompt_len, len(sequences[-1]), anchors))
-        batch = list(zip(math.features_batch(sequences), sequences, chosen))
-        return batch, sum(len(c) for c in chosen) * bs, used
-
-    result = TrainResult(out=out, step=step)
-    if loss_ids is not None:
-        result.loss_vocab_share = answer_share((store[i] for i in train_ids), loss_ids, vocab)
-    last_tau = next((e["tau"] for e in reversed(state["log"]) if "tau" in e), None)
-    end = min(steps, stop_after) if stop_after is not None else steps
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, initial=step, desc="train dflash", unit="step")
-    timed_tokens, step_seconds = 0, []
-    deadline = None if minutes is None else time.monotonic() + 60 * minutes
-    fit_at = step + max(warmup, FIT_MIN_STEPS)  # the step after which the cosine is fitted
-    try:
-        if not resume:  # the loss vocabulary and feature scale are fixed for the whole run
-            state_dir.mkdir(parents=True, exist_ok=True)
-            if loss_ids is not None:
-                _atomic_save_safetensors(vocab_file, {"ids": mx.array(loss_ids, dtype=mx.int32)})
-            _atomic_save_safetensors(scale_file, {"inv_scale": inv_scale} if inv_scale is not None
-                                     else {"__none__": mx.zeros(1)})
-            save()
-        while step < end:
-            t0 = time.perf_counter()
-            batch, n_tokens, used = make_batch()
-            loss, correct = math.step(batch)
-            seconds = time.perf_counter() - t0
-            step += 1
-            timed_tokens += n_tokens
-            step_seconds.append(seconds)
-            if fit_to_time and step == fit_at:  # the warmup is timed: fit the rest into the time
-                per_step = float(np.median(step_seconds[len(step_seconds) // 2:]))
-                left = max(deadline - time.monotonic(), 0.0)
-                schedule.set_length(step + max(int(left / per_step), 1))
-                end = min(schedule.steps, stop_after) if stop_after is not None else schedule.steps
-                fit_to_time = False
-                if bar:
-                    bar.total = schedule.steps
-            entry = {"step": step, "sequences": used, "loss": round(loss, 5),
-                     "block_tokens_per_s": round(n_tokens / seconds, 1),
-                     "slot1_acc": round(correct / max(n_tokens // bs, 1), 4),
-                     "trained_blocks": (state["log"][-1]["trained_blocks"] if state["log"] else 0)
-                     + n_tokens // bs}
-            result.losses.append((step, loss))
-            if eval_every and heldout_prompts and (step % eval_every == 0 or step == end):
-                drafter = export_drafter(args, math.weights(), inv_scale, target,
-                                         draft_vocab=loss_ids)
-                last_tau = heldout_tau(target, drafter, heldout_prompts, tokenizer=tokenizer,
-                                       max_tokens=eval_max_tokens)
-                entry["tau"] = round(last_tau, 4)
-                result.taus.append((step, last_tau))
-            state["log"].append(entry)
-            if bar:
-                postfix = {"loss": f"{loss:.3f}", "tok/s": f"{n_tokens / seconds:.0f}"}
-                if last_tau is not None:
-                    postfix["tau"] = f"{last_tau:.2f}"
-                bar.set_postfix(postfix)
-                bar.update(1)
-            out_of_time = deadline is not None and time.monotonic() > deadline
-            if out_of_time and fit_to_time:  # the time ran out within the warmup: it ends here
-                schedule.set_length(step)
-            if step % save_every == 0 or step == end or out_of_time:
-                save()
-            if out_of_time:
-                break
-    finally:
-        if bar:
-            bar.close()
-    result.step = step
-    result.block_tokens_per_s = timed_tokens / sum(step_seconds) if step_seconds else 0.0
-    return result
+        def raw_features(tokens, layers):  # the backend that trains computes its own features
+            return mx.array(torch_features(recipe.torch_target, tokens, layers)[0].cpu().numpy())
+    return train(recipe, target, run, raw_features=raw_features)
