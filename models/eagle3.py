@@ -10,11 +10,12 @@ draft vocabulary for token i+2, and for the steps after that (no target features
 itself takes g's place, at the next position, with the drafted token. Draft ids map to target
 ids as `target = draft + d2t[draft]`.
 
-One KV cache holds committed pairs and the chain's own steps (a drafter trims the latter after
-verification). Pair i sits at position i+1, the position of the token it embeds, as mlx-vlm's
-and speculators' drafters place it (RoPE only sees differences, so the shift changes nothing
-but rounding). Weight names are the speculators layout's (`layers.0.*`); the loader
-(mlxspec/drafters/eagle3_loading.py) renames SpecForge/SGLang's `midlayer.*`.
+One KV cache holds committed pairs and the chain's own steps, or a draft tree's entries (a
+drafter trims the latter after verification). Pair i sits at position i+1, the position of the
+token it embeds, as mlx-vlm's and speculators' drafters place it (RoPE only sees differences,
+so the shift changes nothing but rounding). Weight names are the speculators layout's
+(`layers.0.*`); the loader (mlxspec/drafters/eagle3_loading.py) renames SpecForge/SGLang's
+`midlayer.*`.
 """
 
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from ..tree_pass import _TreeRoPE
 from .dflash import rope_for
 
 LAYOUTS = ("speculators", "specforge")
@@ -257,7 +259,9 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, rope, mask, cache: KVCache, offset: int) -> mx.array:
+    def project(self, x: mx.array, rope, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Rotated queries and keys, and values, (B, heads, L, head_dim), of inputs (B, L, 2H)
+        (the training path builds its own attention over them: mlxspec.training.eagle3_trainer)."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
@@ -266,9 +270,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q.transpose(0, 2, 1, 3), offset=offset)
         k = rope(k.transpose(0, 2, 1, 3), offset=offset)
-        k, v = cache.update_and_fetch(k, v.transpose(0, 2, 1, 3))
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return q, k, v.transpose(0, 2, 1, 3)
+
+    def output(self, out: mx.array) -> mx.array:
+        """(B, heads, L, head_dim) attention outputs -> (B, L, H)."""
+        B, _, L, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def __call__(self, x: mx.array, rope, mask, cache: KVCache, offset: int) -> mx.array:
+        q, k, v = self.project(x, rope, offset)
+        k, v = cache.update_and_fetch(k, v)
+        return self.output(scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale,
+                                                        mask=mask))
 
 
 class MLP(nn.Module):
@@ -295,10 +308,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def __call__(self, embeds, hidden, rope, mask, cache, offset):
+        return self.around(embeds, hidden, lambda x: self.self_attn(x, rope, mask, cache, offset))
+
+    def around(self, embeds, hidden, attend):
+        """The layer around an attention `attend(x)` of its 2H-wide input: the cached one at
+        inference, one over every test-time step's keys in training."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
-        h = residual + self.self_attn(x, rope, mask, cache, offset)
+        h = residual + attend(x)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -362,16 +380,23 @@ class Eagle3Model(nn.Module):
             x = self.input_norm(x)
         return self.fc(x)
 
-    def __call__(self, tokens: mx.array, hidden: mx.array, cache: list[KVCache]) -> mx.array:
+    def __call__(self, tokens: mx.array, hidden: mx.array, cache: list[KVCache], *,
+                 mask: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
         """Tokens (B, L) and hidden (B, L, H): projected target features, or the drafter's own
         previous output for a chain step. Appends L positions to `cache`; returns the layer's
-        output (B, L, H) before `norm`, which the next step conditions on."""
+        output (B, L, H) before `norm`, which the next step conditions on.
+
+        Entries of a draft tree (B = 1) are not a sequence: `positions` (L,) gives each its RoPE
+        position and `mask` (L, cached + L) the entries it sees, its ancestors' and its own."""
         embeds = self.embed(tokens).astype(self.dtype)
         h = hidden.astype(self.dtype)
         c = cache[0]
-        offset = c.offset + 1  # pair i embeds token i+1
-        mask = create_attention_mask(h, c)
-        return self.layers[0](embeds, h, self.rope, mask, c, offset)
+        if positions is None:
+            rope, offset = self.rope, c.offset + 1  # pair i embeds token i+1
+            mask = create_attention_mask(h, c)
+        else:  # the L entries rotated as L one-position sequences, one position each
+            rope, offset = _TreeRoPE(self.rope, positions), 0
+        return self.layers[0](embeds, h, rope, mask, c, offset)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Draft-vocabulary logits (..., draft_vocab) of layer outputs (..., H)."""

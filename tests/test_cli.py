@@ -791,6 +791,34 @@ def test_train_dflash_stops_after_and_resumes(tmp_path, smollm_first_layers):
     assert state["step"] == state["steps"] == 1
 
 
+@slow
+def test_train_eagle3_then_generate_with_it(tmp_path, smollm_first_layers):
+    """`train eagle3` writes a speculators-layout checkpoint (features from the torch copy of
+    the target) that `generate --drafter eagle3` loads; `--resume` continues it."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Name three colours.\nWhat is 2 + 2?\nSay hello in French.\n")
+    run = tmp_path / "run"
+    args = ["train", "eagle3", "-m", str(smollm_first_layers), "--prompts", str(prompts),
+            "--out", str(run), "--steps", "3", "--heldout", "1", "--max-new-tokens", "8",
+            "--draft-vocab", "256", "--ttt-steps", "2", "--eval-every", "0", "--save-every", "1",
+            "--features-with", "torch"]
+    assert "step 2: checkpoint in" in ok(invoke(*args, "--stop-after", "2")).output
+    assert "step 3: checkpoint in" in ok(invoke(*args, "--resume")).output
+    state = json.loads((run / "train_state" / "state.json").read_text())
+    assert state["ttt_steps"] == 2 and [e["step"] for e in state["log"]] == [1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["architectures"] == ["Eagle3Speculator"]
+    out = ok(invoke("generate", "-m", str(smollm_first_layers), "-p", "hi", "--max-tokens", "6",
+                    "--drafter", "eagle3", "--drafter-model", str(run), "--verbose")).output
+    assert "tau" in out.lower()
+
+
+def test_error_ttt_steps_not_positive(tmp_path):
+    result = invoke("train", "eagle3", "--prompts", "sharegpt", "--out", str(tmp_path / "run"),
+                    "--ttt-steps", "0")
+    assert_clean_error(result, "--ttt-steps", "must be >= 1")
+    assert not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------- sampling options, refused early
 
 
