@@ -492,17 +492,20 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
                 if bar:
                     bar.total = sched.steps
             entry = {"step": step, "sequences": used, "loss": round(loss, 5),
+                     "seconds": round(seconds, 3),
                      "block_tokens_per_s": round(n_tokens / seconds, 1),
                      "slot1_acc": round(correct / max(n_first, 1), 4),
                      "trained_blocks": (state["log"][-1]["trained_blocks"] if state["log"] else 0)
                      + n_first}
             result.losses.append((step, loss))
             if run.eval_every and heldout_prompts and (step % run.eval_every == 0 or step == end):
+                evaluated = time.perf_counter()
                 drafter = recipe.drafter(config, math.weights(), inv_scale, target, loss_ids)
                 last_tau = heldout_tau(target, drafter, heldout_prompts, tokenizer=tokenizer,
                                        max_tokens=run.eval_max_tokens,
                                        num_draft=recipe.eval_draft(config))
                 entry["tau"] = round(last_tau, 4)
+                entry["eval_seconds"] = round(time.perf_counter() - evaluated, 1)
                 result.taus.append((step, last_tau))
             state["log"].append(entry)
             if bar:
