@@ -31,7 +31,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -59,6 +58,7 @@ from .data import _atomic_save_safetensors, _atomic_write_text, eos_ids
 from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from here by callers)
     FIT_HORIZON,
     STATE_DIR,
+    MLXTraining,
     Recipe,
     RunSettings,
     TrainResult,
@@ -66,9 +66,7 @@ from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from 
     epoch_order,
     frequent_tokens,
     heldout_tau,
-    load_tree,
     prepare_data,
-    save_tree,
     schedule as _schedule,
     train,
     trainable_ids,
@@ -488,8 +486,8 @@ def package_drafter(run_dir, dest, target, *, dtype=mx.bfloat16, notes: dict | N
 # ---- The trainer ------------------------------------------------------------------------------
 
 
-class MLXDFlashTraining:
-    """The tensor math of training on MLX: features, one optimizer step, optimizer state.
+class MLXDFlashTraining(MLXTraining):
+    """DFlash's training math on MLX: features, and one sequence's block loss.
     (The torch twin is mlxspec.torch_backend.dflash_training; the loop is training.run.train.)"""
 
     def __init__(self, target, args: DFlashConfig, weights: dict, *, schedule, weight_decay,
@@ -503,9 +501,7 @@ class MLXDFlashTraining:
         head = target_head(target)
         _, vocab, _ = target_sizes(target)
         self.head = SubsetHead(head, loss_ids, vocab) if loss_ids is not None else head
-        self.optimizer = optim.AdamW(schedule, weight_decay=weight_decay, bias_correction=True)
-        self.optimizer.init(self.model.trainable_parameters())
-        self._grad = nn.value_and_grad(self.model, self._loss)
+        self.init_optimizer(schedule, weight_decay)
 
     def features(self, tokens: list[int]):
         return sequence_features(self.target, tokens, self.args.target_layer_ids,
@@ -515,26 +511,11 @@ class MLXDFlashTraining:
         """`features` of each sequence, one at a time (the MLX step loops over them too)."""
         return [self.features(tokens) for tokens in sequences]
 
-    def _loss(self, batch):
-        total = weight = correct = 0
-        for (feats, labels), tokens, chosen in batch:
-            t, w, c = block_loss(self.model, feats, mx.array(tokens, dtype=mx.int32),
-                                 mx.array(chosen, dtype=mx.int32), embed_tokens=self.embed,
-                                 lm_head=self.head, gamma=self.gamma, labels=labels)
-            total, weight, correct = total + t, weight + w, correct + c
-        return total / weight, correct
-
-    def step(self, batch) -> tuple[float, int]:
-        return optimizer_step(self, batch)
-
-    def weights(self) -> dict[str, mx.array]:
-        return dict(tree_flatten(self.model.parameters()))
-
-    def save_optimizer(self, state_dir: Path) -> None:
-        save_tree(state_dir / "optimizer.safetensors", self.optimizer.state, state_dir)
-
-    def load_optimizer(self, state_dir: Path) -> None:
-        self.optimizer.state = load_tree(state_dir / "optimizer.safetensors")
+    def sequence_loss(self, features, tokens, anchors):
+        feats, labels = features
+        return block_loss(self.model, feats, mx.array(tokens, dtype=mx.int32),
+                          mx.array(anchors, dtype=mx.int32), embed_tokens=self.embed,
+                          lm_head=self.head, gamma=self.gamma, labels=labels)
 
 
 def sequence_features(target, tokens: list[int], layer_ids, inv_scale, target_labels: bool):
@@ -547,17 +528,6 @@ def sequence_features(target, tokens: list[int], layer_ids, inv_scale, target_la
     else:
         feats = target_features(target, tokens, layer_ids)
     return (feats * inv_scale if inv_scale is not None else feats), labels
-
-
-def optimizer_step(training, batch) -> tuple[float, int]:
-    """One AdamW step of an MLX training object (its `_grad`, `model`, `optimizer`,
-    `grad_clip`): (loss, correct first-slot predictions)."""
-    (loss, correct), grads = training._grad(batch)
-    if training.grad_clip:
-        grads, _ = optim.clip_grad_norm(grads, training.grad_clip)
-    training.optimizer.update(training.model, grads)
-    mx.eval(loss, correct, training.model.parameters(), training.optimizer.state)
-    return loss.item(), int(correct.item())
 
 
 class DFlashRecipe(Recipe):

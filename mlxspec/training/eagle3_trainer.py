@@ -23,11 +23,9 @@ with fc, layers.0.*, norm, lm_head, d2t, t2d), loadable by `--drafter eagle3 --d
 """
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention
@@ -37,8 +35,8 @@ from ..drafters.eagle3 import Eagle3Drafter
 from ..hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
 from .data import _atomic_save_safetensors, _atomic_write_text
-from .dflash_trainer import head_weight, optimizer_step, sequence_features, shifted_labels
-from .run import STATE_DIR, Recipe, RunSettings, TrainResult, load_tree, save_tree, train
+from .dflash_trainer import head_weight, sequence_features, shifted_labels
+from .run import STATE_DIR, MLXTraining, Recipe, RunSettings, TrainResult, train
 
 TTT_STEPS = 7  # SpecForge's ttt_length
 STEP_DECAY = 0.8  # SpecForge's loss weight per TTT step
@@ -153,8 +151,8 @@ def label_map_of(draft_ids, vocab: int) -> mx.array:
     return mx.array(table)
 
 
-class MLXEagle3Training:
-    """The tensor math of EAGLE-3 training on MLX (the loop is training.run.train)."""
+class MLXEagle3Training(MLXTraining):
+    """EAGLE-3's training math on MLX: features, and one sequence's TTT loss."""
 
     def __init__(self, target, args: Eagle3Config, weights: dict, *, schedule, weight_decay,
                  grad_clip, loss_ids, inv_scale, labels="text", steps=TTT_STEPS,
@@ -170,9 +168,7 @@ class MLXEagle3Training:
         mx.eval(self.model.parameters())
         _, vocab, _ = target_sizes(target)
         self.label_map = label_map_of(loss_ids, vocab) if loss_ids is not None else None
-        self.optimizer = optim.AdamW(schedule, weight_decay=weight_decay, bias_correction=True)
-        self.optimizer.init(self.model.trainable_parameters())
-        self._grad = nn.value_and_grad(self.model, self._loss)
+        self.init_optimizer(schedule, weight_decay)
 
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
         """(scaled features, labels or None) per sequence, from the MLX target or, given one,
@@ -192,26 +188,11 @@ class MLXEagle3Training:
             out.append((f * self.inv_scale if self.inv_scale is not None else f, labels))
         return out
 
-    def _loss(self, batch):
-        total = weight = correct = 0
-        for (feats, labels), tokens, prompt_len in batch:
-            t, w, c = ttt_loss(self.model, feats, mx.array(tokens, dtype=mx.int32), prompt_len,
-                               steps=self.steps, label_map=self.label_map, labels=labels,
-                               decay=self.decay)
-            total, weight, correct = total + t, weight + w, correct + c
-        return total / mx.maximum(weight, 1e-6), correct
-
-    def step(self, batch) -> tuple[float, int]:
-        return optimizer_step(self, batch)
-
-    def weights(self) -> dict[str, mx.array]:
-        return dict(tree_flatten(self.model.parameters()))
-
-    def save_optimizer(self, state_dir: Path) -> None:
-        save_tree(state_dir / "optimizer.safetensors", self.optimizer.state, state_dir)
-
-    def load_optimizer(self, state_dir: Path) -> None:
-        self.optimizer.state = load_tree(state_dir / "optimizer.safetensors")
+    def sequence_loss(self, features, tokens, prompt_len):
+        feats, labels = features
+        return ttt_loss(self.model, feats, mx.array(tokens, dtype=mx.int32), prompt_len,
+                        steps=self.steps, label_map=self.label_map, labels=labels,
+                        decay=self.decay)
 
 
 # ---- Checkpoints ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
@@ -164,6 +165,48 @@ class Recipe:
 
     def state(self) -> dict:
         return {k: getattr(self, k) for k in self.state_keys}
+
+
+class MLXTraining:
+    """The MLX training math every recipe shares: AdamW over the drafter's parameters, one
+    clipped step, the optimizer state on disk. A subclass builds `self.model`, calls
+    `init_optimizer`, and says what one sequence's loss is (`sequence_loss`)."""
+
+    grad_clip: float = 1.0
+
+    def init_optimizer(self, schedule, weight_decay: float) -> None:
+        self.optimizer = optim.AdamW(schedule, weight_decay=weight_decay, bias_correction=True)
+        self.optimizer.init(self.model.trainable_parameters())
+        self._grad = nn.value_and_grad(self.model, self._loss)
+
+    def sequence_loss(self, features, tokens: list[int], chosen):
+        """(sum of weighted losses, sum of weights, correct first predictions) of a sequence."""
+        raise NotImplementedError
+
+    def _loss(self, batch):
+        total = weight = correct = 0
+        for features, tokens, chosen in batch:
+            t, w, c = self.sequence_loss(features, tokens, chosen)
+            total, weight, correct = total + t, weight + w, correct + c
+        return total / mx.maximum(weight, 1e-6), correct
+
+    def step(self, batch) -> tuple[float, int]:
+        """One AdamW step: (loss, correct first predictions)."""
+        (loss, correct), grads = self._grad(batch)
+        if self.grad_clip:
+            grads, _ = optim.clip_grad_norm(grads, self.grad_clip)
+        self.optimizer.update(self.model, grads)
+        mx.eval(loss, correct, self.model.parameters(), self.optimizer.state)
+        return loss.item(), int(correct.item())
+
+    def weights(self) -> dict[str, mx.array]:
+        return dict(tree_flatten(self.model.parameters()))
+
+    def save_optimizer(self, state_dir: Path) -> None:
+        save_tree(state_dir / "optimizer.safetensors", self.optimizer.state, state_dir)
+
+    def load_optimizer(self, state_dir: Path) -> None:
+        self.optimizer.state = load_tree(state_dir / "optimizer.safetensors")
 
 
 # ---- Shared pieces ---------------------------------------------------------------------------
