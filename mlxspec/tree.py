@@ -77,3 +77,12 @@ def best_first_tree(logprobs: list[list[float]], budget: int) -> tuple[list[int]
         if depth + 1 < len(logprobs):  # the first child: the next depth's best candidate
             heapq.heappush(frontier, (-(score + logprobs[depth + 1][0]), node, depth + 1, 0))
     return ranks, TreeShape(tuple(parents))  # numbered as added: parents before children
+
+
+def best_first_drafts(logprobs: list[list[float]], ids: list[list[int]],
+                      budget: int) -> tuple[list[int], TreeShape]:
+    """A DDTree of draft tokens from per-depth candidates read to the host (any backend's):
+    `ids[d][r]` is the token whose log-probability is `logprobs[d][r]`, best first. Returns the
+    tokens of best_first_tree's nodes, in node order, and the tree's shape."""
+    ranks, shape = best_first_tree(logprobs, budget)
+    return [ids[shape.depth[node] - 1][rank] for node, rank in enumerate(ranks, start=1)], shape

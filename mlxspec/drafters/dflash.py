@@ -26,7 +26,7 @@ from ..models.dflash import (
     read_weights,
 )
 from ..sampling import SamplingConfig
-from ..tree import best_first_tree
+from ..tree import best_first_drafts
 
 
 class DFlashDrafter(Drafter):
@@ -143,9 +143,8 @@ class DFlashDrafter(Drafter):
         logprobs = nn.log_softmax(self.block_logits(tokens, slots).astype(mx.float32), axis=-1)
         best = mx.argsort(-logprobs, axis=-1)[:, : self.tree_width]
         ids = best if self.draft_ids is None else self.draft_ids[best]
-        scores, ids = mx.take_along_axis(logprobs, best, axis=-1).tolist(), ids.tolist()
-        ranks, shape = best_first_tree(scores, budget)
-        drafts = [ids[shape.depth[node] - 1][rank] for node, rank in enumerate(ranks, start=1)]
+        scores = mx.take_along_axis(logprobs, best, axis=-1).tolist()
+        drafts, shape = best_first_drafts(scores, ids.tolist(), budget)
         return Draft(tokens=drafts, parents=shape.parents)
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafters.dflash import check_against_target, check_block_size
+from ..drafters.dflash import check_against_target, check_block_size, check_tree
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..file_checks import check_safetensors
 from ..models.dflash import DFlashConfig, read_config, read_draft_vocab
 from ..sampling import SamplingConfig
+from ..tree import best_first_drafts
 from .target import decoder_layers, host_tokens, model_device
 
 
@@ -262,11 +263,16 @@ class TorchDFlashDrafter(Drafter):
     backend = "torch"
 
     def __init__(self, model: DFlashModel, *, embed_tokens, lm_head, block_size=None,
-                 final_norm=None, target_layers: int | None = None, draft_vocab=None):
+                 final_norm=None, target_layers: int | None = None, draft_vocab=None,
+                 tree_budget: int | None = None, tree_width: int = 4):
         self.model = model
         self.args = model.args
         self.block_size = check_block_size(block_size, self.args.block_size)
         self.default_num_draft = self.max_draft = self.block_size - 1
+        self.tree_budget, self.tree_width = check_tree(tree_budget, tree_width)  # DDTree
+        if self.tree_budget is not None:
+            self.default_num_draft = self.max_draft = self.tree_budget
+            self.drafts_trees = True
         self.capture_layers = tuple(self.args.target_layer_ids)
         self.embed_tokens = embed_tokens
         self.draft_ids = None
@@ -346,8 +352,20 @@ class TorchDFlashDrafter(Drafter):
         num_draft = min(k, self.block_size - 1)
         if num_draft < 1:
             return EMPTY_DRAFT
+        if self.tree_budget is not None:
+            return self._propose_tree(tokens, num_draft, k)
         drafts = torch.argmax(self.block_logits(tokens, num_draft), dim=-1)
         return Draft(tokens=drafts if self.draft_ids is None else self.draft_ids[drafts])
+
+    @torch.inference_mode()
+    def _propose_tree(self, tokens: list[int], slots: int, budget: int) -> Draft:
+        """DDTree, as the MLX drafter grows it (mlxspec.tree.best_first_drafts): the slots' best
+        tokens are read to the host, since the tree's shape depends on their probabilities."""
+        logprobs = torch.log_softmax(self.block_logits(tokens, slots).float(), dim=-1)
+        scores, best = logprobs.topk(min(self.tree_width, logprobs.shape[-1]), dim=-1)
+        ids = best if self.draft_ids is None else self.draft_ids[best]
+        drafts, shape = best_first_drafts(scores.tolist(), ids.tolist(), budget)
+        return Draft(tokens=drafts, parents=shape.parents)
 
     @torch.inference_mode()
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
@@ -424,11 +442,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
                         draft_vocab: bool = True, tree_budget: int | None = None,
                         tree_width: int = 4):
     """Load a DFlash checkpoint for a transformers target `model` (see the MLX loader); the
-    drafter runs on the target's device, in the target's dtype. Chains only: the torch target
-    does not verify trees yet."""
-    if tree_budget is not None:
-        raise ValueError("DFlash trees (--tree-budget) run on the MLX backend only; the torch "
-                         "backend verifies chains")
+    drafter runs on the target's device, in the target's dtype. `tree_budget`: draft a DDTree of
+    up to this many nodes from each block's `tree_width` best tokens per slot."""
+    check_tree(tree_budget, tree_width)
     path = Path(path).expanduser()
     if not path.is_dir():
         from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
@@ -453,6 +469,8 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
         final_norm=final_norm_of(model),
         target_layers=len(decoder_layers(model)),
         draft_vocab=vocab,
+        tree_budget=tree_budget,
+        tree_width=tree_width,
     )
 
 

@@ -5,6 +5,12 @@ Same contract as mlxspec.mlx_backend.MLXTarget: prefill all but the pending toke
 host, crop the cache to the committed tokens. Hybrid models (Qwen3-Next, Qwen3.5) also hold
 linear-attention layers whose state each pass overwrites: a rejection restores it from a copy
 taken before the pass and runs the kept tokens again.
+
+A tree of drafts goes through the model as one sequence [pending, node 1, ..., node N] with a 4D
+attention mask (each node sees the cached context, itself and its ancestors) and position ids
+past + depth; transformers uses a 4D mask as given (masking_utils returns it unchanged, and SDPA
+or eager attention adds it). Afterwards the committed branch's keys and values are moved to the
+positions after the pending token, which is where their rotation already put them.
 """
 
 import inspect
@@ -13,11 +19,13 @@ from typing import Sequence
 
 import torch
 
-from ..engine import Draft, Pass
+from ..engine import Draft, Pass, Verdict
 from ..prompt_cache import KeptCache
 from ..sampling import SamplingConfig
+from ..tree import TreeShape
 from .acceptance import accept_greedy, accept_sampled
 from .sampling import sample_token
+from .tree_acceptance import DeviceTree, accept_tree_greedy, accept_tree_sampled
 
 
 def host_tokens(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -97,6 +105,57 @@ def layers_that_cannot_roll_back(cache) -> list[str]:
         return [] if can_crop(cache) else [type(cache).__name__]
     return sorted({type(layer).__name__ for layer in layers if not (
         holds_recurrent_state(layer) or getattr(layer, "is_croppable", True))})
+
+
+def holds_trees(cache, model) -> bool:
+    """Whether one pass can verify a tree: every cache layer a full-attention DynamicLayer, whose
+    entries can be moved by index (a sliding window drops entries a tree's rejected nodes push
+    out; a recurrent state folds every node into one), and an attention that adds a 4D mask as
+    given (SDPA, eager; flash-attention kernels take no such mask)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    lazy = getattr(cache, "layer_class_to_replicate", None)  # layers added on first use
+    attention = getattr(model.config, "_attn_implementation", None)
+    return (layers is not None and all(type(layer) is DynamicLayer for layer in layers)
+            and lazy in (None, DynamicLayer) and attention in ("sdpa", "eager"))
+
+
+def ancestor_mask(tree: DeviceTree) -> torch.Tensor:
+    """(N+1, N+1) bool: row i is True at node i and at each of its ancestors."""
+    node = torch.arange(tree.parents.shape[0], device=tree.parents.device)
+    seen, up = node[:, None] == node, node
+    for _ in range(tree.shape.max_depth):
+        up = tree.parents[up]
+        seen |= up[:, None] == node
+    return seen
+
+
+def tree_attention(tree: DeviceTree, past: int, dtype: torch.dtype):
+    """The attention mask (1, 1, N+1, past + N+1) and position ids (1, N+1) that make one pass
+    over [pending, nodes] score each node after its own branch: an additive mask, 0 where a node
+    sees the cached context, itself or an ancestor and -inf elsewhere, and each node at position
+    past + depth, where a prefill of its branch would put it."""
+    ancestors = ancestor_mask(tree)
+    visible = torch.cat([ancestors.new_ones(ancestors.shape[0], past), ancestors], dim=1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask = mask.masked_fill(~visible, float("-inf"))
+    return mask[None, None], (past + tree.depth)[None]
+
+
+def keep_branch(cache, pending_at: int, branch: list[int], device: torch.device) -> None:
+    """After a tree pass that put the pending token at `pending_at` and its nodes after it, keep
+    the pending token and the nodes of `branch` (1-based, root to leaf) in order: each layer's
+    keys and values of the branch are gathered to the positions after the pending token, the
+    rest cropped, leaving what a prefill of the committed tokens builds. A chain's branch is
+    already in place and is only cropped."""
+    start, end = pending_at + 1, pending_at + 1 + len(branch)
+    if branch != list(range(1, len(branch) + 1)):
+        sources = host_tokens([pending_at + n for n in branch], device)
+        for layer in cache.layers:
+            layer.keys[..., start:end, :] = layer.keys.index_select(-2, sources)
+            layer.values[..., start:end, :] = layer.values.index_select(-2, sources)
+    crop(cache, cache_length(cache) - end)
 
 
 def snapshot(layers: list) -> list:
@@ -186,6 +245,7 @@ class TorchTarget:
         self._recurrent = recurrent_layers(self.cache)
         self._last_pass = None  # (recurrent states before it, its input tokens)
         self._stuck = layers_that_cannot_roll_back(self.cache)  # its layers' kinds stay
+        self._trees = holds_trees(self.cache, model)
         stuck = self._stuck if speculative else []
         if stuck:
             raise ValueError(
@@ -194,8 +254,8 @@ class TorchTarget:
                 "cannot. Use --drafter none."
             )
 
-    def _forward(self, tokens: torch.Tensor, last_only: bool = False):
-        kwargs = {self._cache_arg: self.cache, "use_cache": True}
+    def _forward(self, tokens: torch.Tensor, last_only: bool = False, **inputs):
+        kwargs = {self._cache_arg: self.cache, "use_cache": True, **inputs}
         if last_only:
             kwargs["logits_to_keep"] = 1
         with capture_layer_outputs(self.model, self.capture_layers) as hidden:
@@ -240,6 +300,8 @@ class TorchTarget:
         else:
             head = host_tokens([pending], self.device)
         inputs = torch.cat([head, drafts])
+        if draft.parents is not None:
+            return self._launch_tree(inputs, drafts, draft, sampling)
         undoable = bool(drafts.shape[0] and self._recurrent)  # plain passes copy nothing
         self._last_pass = (snapshot(self._recurrent), inputs) if undoable else None
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
@@ -249,12 +311,32 @@ class TorchTarget:
         elif sampling.greedy:
             accepted, next_token = accept_greedy(logits, drafts)
         else:
-            probs = draft.probs.to(self.device) if draft.probs is not None else None
-            accepted, next_token = accept_sampled(logits, drafts, probs, sampling)
+            accepted, next_token = accept_sampled(logits, drafts, self._probs(draft), sampling)
+        return self._queue(drafts, None, accepted, next_token, features)
+
+    def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
+        """One pass over a tree of drafts: every node sees its ancestors only (tree_attention)."""
+        tree = DeviceTree.of(TreeShape(draft.parents), self.device)
+        mask, positions = tree_attention(tree, self.offset, self.model.dtype)
+        logits, features = self._forward(inputs, attention_mask=mask, position_ids=positions)
+        if sampling.greedy:
+            accepted, next_token, path = accept_tree_greedy(logits, drafts, tree)
+        else:
+            accepted, next_token, path = accept_tree_sampled(logits, drafts, tree,
+                                                             self._probs(draft), sampling)
+        return self._queue(drafts, path, accepted, next_token, features)
+
+    def _probs(self, draft: Draft):
+        return draft.probs.to(self.device) if draft.probs is not None else None
+
+    @staticmethod
+    def _queue(drafts, path, accepted, next_token, features) -> Pass:
+        """The pass's one packed tensor, laid out as Pass.verdict() reads it."""
         next_token = next_token.reshape(()).to(torch.long)
-        packed = torch.cat([drafts, accepted.reshape(1), next_token.reshape(1)])
+        parts = [drafts] + ([path] if path is not None else [])
+        packed = torch.cat(parts + [accepted.reshape(1), next_token.reshape(1)])
         return Pass(num_draft=int(drafts.shape[0]), packed=packed, next_token=next_token,
-                    features=features)
+                    features=features, path_slots=None if path is None else int(path.shape[0]))
 
     @torch.inference_mode()
     def trim(self, n: int) -> None:
@@ -274,11 +356,16 @@ class TorchTarget:
                    logits_to_keep=1)
         self._last_pass = None
 
-    def settle(self, verdict) -> None:
-        self.trim(len(verdict.draft_tokens) - verdict.accepted)
+    @torch.inference_mode()
+    def settle(self, verdict: Verdict) -> None:
+        if verdict.branch is None:
+            self.trim(len(verdict.draft_tokens) - verdict.accepted)
+        else:  # the pass put the pending token, then every node, after what the cache held
+            pending_at = self.offset - len(verdict.draft_tokens) - 1
+            keep_branch(self.cache, pending_at, verdict.branch, self.device)
 
     def holds_trees(self) -> bool:
-        return False
+        return self._trees
 
     def rollback_room(self) -> int | None:
         """A sliding-window layer (DynamicSlidingWindowLayer) keeps its last window - 1 positions:
