@@ -116,9 +116,11 @@ def _check_decoding(num_draft, max_tokens, drafter="none", draft_model=None, opt
         raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
     for option in registry.drafter_options():
         value = (options or {}).get(option.name, option.default)
-        if option.minimum is not None and value is not None and value < option.minimum:
-            raise click.BadParameter(f"must be >= {option.minimum}, got {value}",
-                                     param_hint=option.flag_for(value))
+        try:
+            option.check(value)
+        except ValueError as err:
+            raise click.BadParameter(str(err).split(" ", 1)[1],
+                                     param_hint=option.flag_for(value)) from None
         if value != option.default and option not in kind.options:
             takers = " or ".join(registry.takers(option))
             raise click.BadParameter(f"only applies to --drafter {takers}",
@@ -330,7 +332,8 @@ def bench_drafter_options(f):
 @model_options
 @click.option("--drafters", default="none,lookup", show_default=True, callback=_csv(str),
               help=f"Comma-separated, from: {', '.join(registry.drafter_names())}; name@K for a "
-                   "fixed K.")
+                   "fixed K; name:flag=value for a drafter's own option, e.g. "
+                   "dflash:tree-budget=16 beside dflash (chain and tree in one run).")
 @bench_drafter_options
 @click.option("--suite", "suites", default="humaneval,mtbench,copy", show_default=True,
               callback=_csv(str), help="Comma-separated prompt suites.")
@@ -385,15 +388,16 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
         except ImportError:
             raise click.BadParameter("needs matplotlib: pip install 'mlxspec[bench]'",
                                      param_hint="--plot") from None
-    bad = [d for d in drafters if d.split("@")[0] not in registry.drafter_names()]
+    bad = [d for d in drafters if d.split("@")[0].split(":")[0] not in registry.drafter_names()]
     if bad:
         raise click.BadParameter(f"unknown drafter(s) {bad}", param_hint="--drafters")
     try:
+        labels = {d: registry.parse_label(d) for d in drafters}
         for d in drafters:
             fixed_k(d)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--drafters") from None
-    kinds = sorted({d.split("@")[0] for d in drafters})
+    kinds = sorted({name for name, _ in labels.values()})
     pairs = [tuple(c.split("/")) for c in comparisons]
     bad = [c for c, pair in zip(comparisons, pairs)
            if len(pair) != 2 or not set(pair) <= set(drafters)]
@@ -420,14 +424,19 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
     with_mlx_lm = backend == "mlx" if with_mlx_lm is None else with_mlx_lm
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
-        by_kind = {k: mlxspec.load_drafter(k, paths.get(registry.drafter_kind(k).model_name),
-                                           model=target, tokenizer=tokenizer,
-                                           **_options_for(k, drafter_flags))
-                   for k in kinds}
-        built = {d: by_kind[d.split("@")[0]] for d in drafters}  # one drafter, several K
+        made, built = {}, {}  # one drafter per kind and options, whatever the K
+        for label, (name, own) in labels.items():
+            options = {**_options_for(name, drafter_flags), **own}
+            key = (name, tuple(sorted(options.items())))
+            if key not in made:
+                made[key] = mlxspec.load_drafter(
+                    name, paths.get(registry.drafter_kind(name).model_name), model=target,
+                    tokenizer=tokenizer, **options)
+            built[label] = made[key]
         lm_draft = None
         if with_mlx_lm:
-            lm_draft = by_kind["draft"].model if "draft" in by_kind else (
+            ours = next((d for (name, _), d in made.items() if name == "draft"), None)
+            lm_draft = ours.model if ours is not None else (
                 mlxspec.load(draft_model, dtype=dtype)[0] if draft_model else None)
     except _user_errors() as err:
         _fail(err)

@@ -43,7 +43,8 @@ def test_bench_dflash_and_lookup_with_full_vocab(smollm_dir, tmp_path):
     tau's interval over prompts and a paired comparison."""
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     result = CliRunner().invoke(main, [
-        "bench", "--model", str(smollm_dir), "--drafters", "none,dflash+lookup,dflash+lookup@4",
+        "bench", "--model", str(smollm_dir), "--drafters",
+        "none,dflash+lookup,dflash+lookup@4,lookup,lookup:lookup-branches=3",
         "--full-vocab", "--no-mlx-lm", "--no-llama-cpp", "--suite", "copy", "--limit", "2",
         "--max-tokens", "12", "--compare", "dflash+lookup@4/none", "--out", str(out),
         "--markdown", str(md),
@@ -51,7 +52,10 @@ def test_bench_dflash_and_lookup_with_full_vocab(smollm_dir, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     rows = {r["drafter"]: r for r in report["results"]}
-    assert set(rows) == {"none", "dflash+lookup", "dflash+lookup@4"}
+    assert set(rows) == {"none", "dflash+lookup", "dflash+lookup@4", "lookup",
+                         "lookup:lookup-branches=3"}
+    # a label's own option: the branched lookup drafts trees, the plain one chains
+    assert rows["lookup:lookup-branches=3"]["tau"] >= 1.0
     fixed = rows["dflash+lookup@4"]
     assert fixed["accepted"] > 0  # the copy prompts repeat their text
     assert len(fixed["passes_per_prompt"]) == 2 and sum(fixed["passes_per_prompt"]) == fixed["target_passes"]

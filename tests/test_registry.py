@@ -2,6 +2,7 @@
 a new drafter usable from one entry, and the MLX path free of torch."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -216,3 +217,27 @@ def test_the_mlx_path_imports_no_torch(smollm_dir):
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("label, parsed", [
+    ("dflash", ("dflash", {})),
+    ("dflash:tree-budget=16@15", ("dflash", {"tree_budget": 16})),
+    ("dflash:full-vocab:tree-width=2", ("dflash", {"draft_vocab": False, "tree_width": 2})),
+    ("lookup:lookup-branches=3", ("lookup", {"branches": 3})),
+    ("dflash+lookup:block-size=8@4", ("dflash+lookup", {"block_size": 8})),
+])
+def test_bench_labels_carry_a_drafters_own_options(label, parsed):
+    assert registry.parse_label(label) == parsed
+
+
+@pytest.mark.parametrize("label, words", [
+    ("lookup:tree-budget=4", "lookup takes no option 'tree-budget' (lookup-branches)"),
+    ("dflash:tree-budget", "write tree-budget=VALUE"),
+    ("dflash:full-vocab=1", "write full-vocab"),
+    ("dflash:tree-budget=x", "tree-budget takes a int, got 'x'"),
+    ("dflash:tree-budget=0", "--tree-budget must be >= 1, got 0"),
+    ("nope:x=1", "unknown drafter 'nope'"),
+])
+def test_bad_bench_labels_are_refused_naming_the_label(label, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        registry.parse_label(label)

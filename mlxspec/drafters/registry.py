@@ -37,6 +37,11 @@ class DrafterOption:
         on, _, off = self.flags.partition("/")
         return off if value is False and off else on
 
+    def check(self, value) -> None:
+        """Refuse a value below `minimum` (ValueError naming the flag), before any loading."""
+        if self.minimum is not None and value is not None and value < self.minimum:
+            raise ValueError(f"{self.flag_for(value)} must be >= {self.minimum}, got {value}")
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -138,6 +143,38 @@ def drafter_options() -> tuple[DrafterOption, ...]:
     return tuple({o.name: o for k in _REGISTERED.values() for o in k.options}.values())
 
 
+def parse_label(label: str) -> tuple[str, dict]:
+    """A bench label -> (drafter name, its own options): "name[:flag=value|:switch]...[@K]",
+    flags spelled as on the command line without "--", e.g. "dflash:tree-budget=16",
+    "lookup:lookup-branches=3", "dflash:full-vocab@8". One run can then pair a drafter's chain
+    with its tree. ValueError, naming the label, for what does not parse."""
+    name, *settings = label.split("@", 1)[0].split(":")
+    kind = drafter_kind(name)
+    spelled = {}
+    for option in kind.options:
+        on, _, off = option.flags.partition("/")
+        spelled[on.lstrip("-")] = (option, True if off else None)
+        if off:
+            spelled[off.lstrip("-")] = (option, False)
+    options = {}
+    for setting in settings:
+        flag, has_value, value = setting.partition("=")
+        if flag not in spelled:
+            takes = ", ".join(spelled) or "no options"
+            raise ValueError(f"drafter label {label!r}: {name} takes no option {flag!r} ({takes})")
+        option, switch = spelled[flag]
+        if (switch is None) != bool(has_value):
+            form = f"{flag}=VALUE" if switch is None else flag
+            raise ValueError(f"drafter label {label!r}: write {form}")
+        try:
+            options[option.name] = switch if switch is not None else (option.type or str)(value)
+        except ValueError:
+            raise ValueError(f"drafter label {label!r}: {flag} takes a {option.type.__name__}, "
+                             f"got {value!r}") from None
+        option.check(options[option.name])
+    return name, options
+
+
 def takers(option: DrafterOption) -> list[str]:
     """The registered drafters that take `option` (their +lookup forms too)."""
     return [k.name for k in _REGISTERED.values() if option in k.options]
@@ -192,8 +229,14 @@ def shipped_dflash_drafter(model):
 
 TREE_BUDGET = DrafterOption(
     "tree_budget", "--tree-budget", type=int, minimum=1,
-    help="Draft a tree of up to N nodes each step, verified in one pass (DFlash: DDTree, grown "
-         "best-first from each block slot's best tokens), instead of a chain. MLX only.")
+    help="Draft a tree of up to N nodes each step, verified in one pass, instead of a chain "
+         "(DFlash: DDTree, grown best-first from each block slot's best tokens; EAGLE-3: "
+         "EAGLE-2's dynamic tree); the budget used is chosen by measured throughput.")
+TREE_WIDTH = DrafterOption(
+    "tree_width", "--tree-width", type=int, default=4, minimum=1,
+    help="With --tree-budget: the most children a tree node may have (DFlash: the best tokens "
+         "of each block slot; EAGLE-3: each expanded node's best tokens, and nodes expanded per "
+         "depth).")
 
 register(DrafterKind("none", host_only(PlainDecoding)))
 register(DrafterKind(
@@ -201,7 +244,7 @@ register(DrafterKind(
     options=(DrafterOption(
         "branches", "--lookup-branches", type=int, default=1, minimum=1,
         help="Prompt lookup: propose the continuations of up to N earlier matches as one tree "
-             "(shared prefixes merged), verified in one pass. MLX only."),),
+             "(shared prefixes merged), verified in one pass."),),
 ))
 register(DrafterKind(
     "draft",
@@ -223,9 +266,7 @@ register(DrafterKind(
                  "tokens it was trained to rank) when it has one, or from the full vocabulary. "
                  "Output is the same either way."),
         TREE_BUDGET,
-        DrafterOption(
-            "tree_width", "--tree-width", type=int, default=4, minimum=1,
-            help="DFlash with --tree-budget: the best tokens of each block slot a tree may use."),
+        TREE_WIDTH,
     ),
     checkpoint=Checkpoint(
         "a drafter checkpoint trained for this target",
@@ -238,6 +279,7 @@ register(DrafterKind(
 register(DrafterKind(
     "eagle3",
     {"mlx": lazy("mlxspec.drafters.eagle3", "load_eagle3_drafter")},
+    options=(TREE_BUDGET, TREE_WIDTH),
     checkpoint=Checkpoint(
         "an EAGLE-3 drafter checkpoint trained for this target (speculators or SpecForge/SGLang "
         "layout)",
