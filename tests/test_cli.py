@@ -270,6 +270,24 @@ def test_chat_two_turns_keep_history(smollm):
     assert len(summaries(r.stderr)) == 2, r.stderr
 
 
+@slow
+@pytest.mark.parametrize("options", [["--drafter", "dflash", "--tree-budget", "8"],
+                                     ["--drafter", "lookup", "--lookup-branches", "3"]],
+                         ids=["ddtree", "lookup-branches"])
+def test_chat_with_trees_keeps_history_and_replies_as_plain(smollm, options):
+    """Trees in chat: each turn's cache, kept from the last and compacted after every tree
+    pass, gives the replies plain decoding gives."""
+    model, tokenizer = smollm
+    first, second = "Write a Python function that adds two numbers.", "Now make it subtract."
+    r = ok(invoke("chat", "--max-tokens", CHAT_N, *options,
+                  input=f"{first}\n{second}\n/quit\n"))
+    history = [{"role": "user", "content": first}]
+    reply1 = reference_reply(model, tokenizer, history)
+    history += [{"role": "assistant", "content": reply1}, {"role": "user", "content": second}]
+    reply2 = reference_reply(model, tokenizer, history)
+    assert f">> {reply1}\n>> {reply2}\n>> " in r.stdout, r.stdout
+
+
 @pytest.fixture
 def prompt_spy(monkeypatch):
     """Record the prompts the chat REPL sends; optionally interrupt a turn after a few tokens."""
