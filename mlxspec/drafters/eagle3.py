@@ -17,6 +17,9 @@ depth expands the `tree_width` most probable nodes at once, in one pass of the l
 `tree_budget` most probable of all candidates are verified. The candidates are read to the
 host once (the tree's shape depends on them); their entries are cut from the cache after
 verification as a chain's steps are.
+
+All of this is written once, in Eagle3Drafting, for both backends; Eagle3Drafter adds MLX's
+tensor math, mlxspec.torch_backend.eagle3.TorchEagle3Drafter torch's.
 """
 
 import math
@@ -26,15 +29,21 @@ import mlx.core as mx
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..generate import check_count
 from ..hidden_states import decoder_layers
-from ..models.eagle3 import Eagle3Model
 from ..sampling import SamplingConfig, processed_logprobs
 from .dflash import check_tree
 
 
-class Eagle3Drafter(Drafter):
-    name = "eagle3"
+class Eagle3Drafting(Drafter):
+    """The EAGLE-3 drafter's host side, one for both backends: which pairs are committed, when
+    chain or tree entries are cut, how a chain is drawn and a tree grown and numbered. A
+    backend's subclass brings the tensor math: its model (called as models.eagle3.Eagle3Model
+    is), `xp` (the few array primitives below use), its cache's length and cut, one draw from
+    a step's logits, and a node's best children."""
 
-    def __init__(self, model: Eagle3Model, *, num_target_layers: int, target_vocab: int,
+    name = "eagle3"
+    xp = None  # the backend's array primitives: MLXArrays, or the torch backend's
+
+    def __init__(self, model, *, num_target_layers: int, target_vocab: int,
                  tree_budget: int | None = None, tree_width: int = 4, tree_depth: int = 6):
         self.model = model
         self.args = model.args
@@ -50,8 +59,30 @@ class Eagle3Drafter(Drafter):
         self.target_vocab = int(target_vocab)
         self.hot_ids = model.target_ids()  # target id of each draft-vocabulary row
         self.cache = model.make_cache()
-        self._hidden: list[mx.array] = []  # the layer's outputs per committed pair, in chunks
+        self._hidden: list = []  # the layer's outputs per committed pair, in chunks
         self._committed = 0  # pairs in the cache (the cache may hold chain steps beyond)
+
+    # ---- the backend's tensor math ----
+
+    def _cache_length(self) -> int:
+        """Entries in the draft cache: committed pairs, then the last proposal's."""
+        raise NotImplementedError
+
+    def _cut(self, n: int) -> None:
+        """Drop the cache's last n entries."""
+        raise NotImplementedError
+
+    def _draw(self, logits, sampling: SamplingConfig):
+        """A chain step's draft-vocabulary row, and (sampling) its distribution p over the
+        target's vocabulary, zero outside the draft vocabulary; None when greedy (one-hot)."""
+        raise NotImplementedError
+
+    def _best_children(self, hidden, width: int, sampling: SamplingConfig):
+        """Layer outputs (n, H) -> the `width` best next tokens of each, (n, width): their
+        log-probabilities (never above 0, so a path's score only falls) and target ids."""
+        raise NotImplementedError
+
+    # ---- shared ----
 
     @property
     def context_length(self) -> int:
@@ -81,17 +112,15 @@ class Eagle3Drafter(Drafter):
         if features.shape[0] != len(tokens):
             raise ValueError(f"{features.shape[0]} feature rows for {len(tokens)} tokens")
         self._trim_chain()
-        ids = mx.array(tokens, dtype=mx.int32)[None]
-        h = self.model(ids, self.model.project(features[None]), self.cache)
+        h = self.model(self.xp.ids(tokens), self.model.project(features[None]), self.cache)
         self._hidden.append(h[0])
         self._committed += len(tokens)
 
     def _trim_chain(self) -> None:
-        """Drop the chain steps of the last proposal from the cache."""
-        excess = self.cache[0].offset - self._committed
+        """Drop the chain steps (or tree entries) of the last proposal from the cache."""
+        excess = self._cache_length() - self._committed
         if excess > 0:
-            for c in self.cache:
-                c.trim(excess)
+            self._cut(excess)
 
     def _rewind(self, num_pairs: int) -> None:
         """Keep exactly `num_pairs` committed pairs (a caller may have rolled back)."""
@@ -103,8 +132,7 @@ class Eagle3Drafter(Drafter):
         self._trim_chain()
         drop = self._committed - num_pairs
         if drop:
-            for c in self.cache:
-                c.trim(drop)
+            self._cut(drop)
             kept, total = [], 0
             for chunk in self._hidden:
                 if total + chunk.shape[0] > num_pairs:
@@ -114,21 +142,34 @@ class Eagle3Drafter(Drafter):
                 total += chunk.shape[0]
             self._hidden, self._committed = kept, num_pairs
 
-    def chain_logits(self, tokens: list[int], k: int, draft_ids=None) -> list[mx.array]:
+    def _last_output(self):
+        """(1, H): the last committed pair's output, which ranks the pending token's successor."""
+        return self._hidden[-1][-1:]
+
+    def _chain(self, k: int, choose) -> None:
+        """k chain steps from the last committed pair: step j's logits go to `choose(j,
+        logits)`, whose token (target id; read only when a step follows) step j+1 embeds."""
+        h = self._last_output()[None]  # (1, 1, H)
+        for j in range(k):
+            token = choose(j, self.model.logits(h)[0, -1])
+            if j + 1 < k:
+                h = self.model(token.reshape(1, 1), h, self.cache)
+
+    def chain_logits(self, tokens: list[int], k: int, draft_ids=None) -> list:
         """Draft-vocabulary logits of k chain steps after `tokens` (pending last). Step j+1
         feeds draft j: `draft_ids[j]` (target ids) when given, else step j's argmax."""
         self._rewind(len(tokens) - 1)
         if not self._committed:
             raise ValueError("no committed pair yet: a one-token prompt conditions no draft")
-        h = self._hidden[-1][-1:][None]  # (1, 1, H): the last committed pair's output
         out = []
-        for j in range(k):
-            logits = self.model.logits(h)[0, -1]
+
+        def record(j, logits):
             out.append(logits)
-            if j + 1 < k:
-                token = (mx.array(draft_ids[j], dtype=mx.int32) if draft_ids is not None
-                         else self.hot_ids[mx.argmax(logits)])
-                h = self.model(token.reshape(1, 1), h, self.cache)
+            if draft_ids is not None:
+                return self.xp.ids(draft_ids[j : j + 1])  # empty past the last, never read
+            return self.hot_ids[self.xp.argmax(logits)]
+
+        self._chain(k, record)
         return out
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
@@ -137,22 +178,17 @@ class Eagle3Drafter(Drafter):
             return EMPTY_DRAFT  # no pair yet: nothing conditions a draft
         if self.tree_budget is not None:
             return self._propose_tree(tokens, k, sampling)
-        h = self._hidden[-1][-1:][None]
         drafts, probs = [], []
-        for j in range(k):
-            logits = self.model.logits(h)[0, -1]
-            if sampling.greedy:
-                row = mx.argmax(logits)
-            else:
-                logp = processed_logprobs(logits, sampling)
-                row = mx.random.categorical(logp)
-                probs.append(self._over_target_vocab(mx.exp(logp)))
-            token = self.hot_ids[row]
-            drafts.append(token)
-            if j + 1 < k:
-                h = self.model(token.reshape(1, 1), h, self.cache)
-        return Draft(tokens=mx.stack(drafts).astype(mx.int32),
-                     probs=mx.stack(probs) if probs else None)
+
+        def draw(j, logits):
+            row, p = self._draw(logits, sampling)
+            drafts.append(self.hot_ids[row])
+            if p is not None:
+                probs.append(p)
+            return drafts[-1]
+
+        self._chain(k, draw)
+        return Draft(tokens=self.xp.stack(drafts), probs=self.xp.stack(probs) if probs else None)
 
     def _propose_tree(self, tokens: list[int], budget: int, sampling: SamplingConfig) -> Draft:
         """The `budget` candidates of highest path log-probability (EAGLE-2's re-ranking),
@@ -178,35 +214,88 @@ class Eagle3Drafter(Drafter):
         path log-probabilities, target ids and parents (candidate numbers, 1-based in the
         order listed, depth by depth; 0 the pending token)."""
         self._rewind(len(tokens) - 1)
-        width = min(self.tree_width, budget, self.args.draft_vocab_size)
-        root = self._hidden[-1][-1:]  # (1, H): the last committed pair's output
+        xp, width = self.xp, min(self.tree_width, budget, self.args.draft_vocab_size)
+        root = self._last_output()
         scores, ids = self._best_children(root, width, sampling)
-        levels = [(scores[0], ids[0], mx.zeros((width,), dtype=mx.int32))]
-        frontier = mx.arange(1, width + 1)  # candidate numbers of the nodes to expand
-        scores, ids, hidden = scores[0], ids[0], mx.repeat(root, width, axis=0)
-        seen = mx.zeros((width, 0), dtype=mx.bool_)  # their ancestors among the tree's entries
-        context = mx.ones((width, self._committed), dtype=mx.bool_)
-        numbered = width
+        scores, ids, hidden = scores[0], ids[0], xp.cat([root] * width)
+        columns, expanded = [(scores, ids)], []
+        seen = xp.ones(width, self._committed)  # entries each node sees: pairs, its ancestors
         for depth in range(1, min(self.tree_depth, budget)):
-            seen = mx.concatenate([seen, mx.eye(width, dtype=mx.bool_)], axis=1)
-            positions = mx.full((width,), self._committed + depth, dtype=mx.int32)
-            out = self.model(ids[None], hidden[None], self.cache,
-                             mask=mx.concatenate([context, seen], axis=1), positions=positions)[0]
+            seen = xp.cat([seen, xp.eye(width)], axis=1)
+            positions = xp.full(width, self._committed + depth)
+            out = self.model(ids[None], hidden[None], self.cache, mask=seen,
+                             positions=positions)[0]
             child_scores, child_ids = self._best_children(out, width, sampling)  # (W, W)
             child_scores = (scores[:, None] + child_scores).reshape(-1)
             child_ids = child_ids.reshape(-1)
-            levels.append((child_scores, child_ids, mx.repeat(frontier, width)))
-            best = mx.argsort(-child_scores)[:width]  # the next depth's nodes to expand
-            frontier, numbered = numbered + 1 + best, numbered + width * width
+            columns.append((child_scores, child_ids))
+            best = xp.top(child_scores, width)  # the next depth's nodes to expand
+            expanded.append(best)
             scores, ids = child_scores[best], child_ids[best]
             hidden, seen = out[best // width], seen[best // width]
-        columns = [mx.concatenate(list(column)) for column in zip(*levels)]
-        mx.eval(columns)  # the proposal's one host read
-        return tuple(column.tolist() for column in columns)
+        host = xp.read([xp.cat(list(column)) for column in zip(*columns)] + expanded)
+        return host[0], host[1], candidate_parents(width, host[2:])
+
+    def commit(self, tokens: list[int], verdict: Verdict) -> None:
+        self._trim_chain()
+        self._append(verdict.committed, verdict.features)
+
+
+class MLXArrays:
+    """The array primitives Eagle3Drafting uses, in MLX."""
+
+    @staticmethod
+    def ids(tokens: list[int]) -> mx.array:
+        return mx.array(tokens, dtype=mx.int32)[None]
+
+    argmax = staticmethod(mx.argmax)
+    stack = staticmethod(mx.stack)
+
+    @staticmethod
+    def cat(arrays, axis: int = 0) -> mx.array:
+        return mx.concatenate(arrays, axis=axis)
+
+    @staticmethod
+    def eye(n: int) -> mx.array:
+        return mx.eye(n, dtype=mx.bool_)
+
+    @staticmethod
+    def ones(rows: int, columns: int) -> mx.array:
+        return mx.ones((rows, columns), dtype=mx.bool_)
+
+    @staticmethod
+    def full(n: int, value: int) -> mx.array:
+        return mx.full((n,), value, dtype=mx.int32)
+
+    @staticmethod
+    def top(x: mx.array, k: int) -> mx.array:
+        return mx.argsort(-x)[:k]
+
+    @staticmethod
+    def read(arrays) -> list[list]:
+        mx.eval(arrays)  # the proposal's one host read
+        return [a.tolist() for a in arrays]
+
+
+class Eagle3Drafter(Eagle3Drafting):
+    """EAGLE-3 on MLX: a chain reads nothing back to the host."""
+
+    xp = MLXArrays
+
+    def _cache_length(self) -> int:
+        return self.cache[0].offset
+
+    def _cut(self, n: int) -> None:
+        for c in self.cache:
+            c.trim(n)
+
+    def _draw(self, logits: mx.array, sampling: SamplingConfig):
+        if sampling.greedy:
+            return mx.argmax(logits), None
+        logp = processed_logprobs(logits, sampling)
+        return mx.random.categorical(logp), self._over_target_vocab(mx.exp(logp))
 
     def _best_children(self, hidden: mx.array, width: int, sampling: SamplingConfig):
-        """Layer outputs (n, H) -> the `width` best next tokens of each, (n, width): their
-        log-probabilities (never above 0, so a path's score only falls) and target ids."""
         logits = self.model.logits(hidden).astype(mx.float32)
         if sampling.greedy:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -222,9 +311,18 @@ class Eagle3Drafter(Drafter):
             return p
         return mx.zeros((self.target_vocab,), dtype=p.dtype).at[self.hot_ids].add(p)
 
-    def commit(self, tokens: list[int], verdict: Verdict) -> None:
-        self._trim_chain()
-        self._append(verdict.committed, verdict.features)
+
+def candidate_parents(width: int, expanded: list[list[int]]) -> list[int]:
+    """Each tree candidate's parent, in tree_candidates' numbering (1-based; 0 the pending
+    token): the root's `width` children, then per depth `width` children of each node expanded
+    there, `expanded[d]` giving those nodes' indices among the previous depth's candidates
+    (depth 1 expands every root child)."""
+    parents, frontier, numbered = [0] * width, range(1, width + 1), width
+    for best in expanded:
+        parents += [node for node in frontier for _ in range(width)]
+        frontier = [numbered + 1 + i for i in best]
+        numbered += width * width
+    return parents
 
 
 def best_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]:

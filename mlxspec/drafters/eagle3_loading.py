@@ -14,6 +14,8 @@ unused tensor are ignored. Only *.safetensors files are read.
 
 Every check raises one line: config against target (`check_against_target`) before the
 weights are read, then names and shapes, then d2t against the target's vocabulary.
+`read_checkpoint` runs them in that order for either backend, which brings only its tensors
+and its model (the torch one: mlxspec.torch_backend.eagle3).
 """
 
 from pathlib import Path
@@ -23,6 +25,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..file_checks import read_json_object
+from ..loading import backend_of
 from ..models.dflash import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Model
 from .dflash import _dtype_of, target_embedding, target_head, target_sizes
@@ -58,13 +61,13 @@ def spelled(args: Eagle3Config, text: str) -> str:
     return text.replace("layers.0.", "midlayer.") if args.layout == "specforge" else text
 
 
-def build_model(args: Eagle3Config, weights: dict[str, mx.array]) -> tuple[Eagle3Model, dict]:
-    """The model the (canonical) weights describe and the weights it loads; one line naming
-    missing or wrong-shaped tensors. Unused tensors are dropped."""
-    own_embed = "embed_tokens.weight" in weights
+def check_weights(args: Eagle3Config, expected: dict[str, tuple], weights: dict,
+                  is_integer) -> dict:
+    """The (canonical) weights a model with parameter shapes `expected` loads, any backend's
+    tensors; one line naming missing or wrong-shaped tensors or a d2t that is not integers
+    (`is_integer(tensor)` says). Unused tensors are dropped."""
+    expected = dict(expected)
     own_head = "lm_head.weight" in weights
-    model = Eagle3Model(args, own_embed=own_embed, own_head=own_head)
-    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     if args.uses_draft_vocab or "d2t" in weights:
         expected["d2t"] = (args.draft_vocab_size,)
     missing = sorted(set(expected) - set(weights))
@@ -83,7 +86,7 @@ def build_model(args: Eagle3Config, weights: dict[str, mx.array]) -> tuple[Eagle
         problems.append(f"missing weights: {', '.join(missing)}")
     if wrong:
         problems.append("wrong-shaped weights: " + "; ".join(wrong))
-    if "d2t" in weights and not mx.issubdtype(weights["d2t"].dtype, mx.integer):
+    if "d2t" in weights and not is_integer(weights["d2t"]):
         problems.append(f"d2t has dtype {weights['d2t'].dtype}, not an integer type")
     if problems:
         raise ValueError(
@@ -91,7 +94,7 @@ def build_model(args: Eagle3Config, weights: dict[str, mx.array]) -> tuple[Eagle
             f"{args.hidden_size}, draft vocab {args.draft_vocab_size} of {args.vocab_size}): "
             + ". ".join(problems)
         )
-    return model, {n: w for n, w in weights.items() if n in expected}
+    return {n: w for n, w in weights.items() if n in expected}
 
 
 def check_against_target(args: Eagle3Config, model, *, own_embed: bool | None = None,
@@ -130,11 +133,12 @@ def check_against_target(args: Eagle3Config, model, *, own_embed: bool | None = 
         raise ValueError("EAGLE-3 drafter does not fit this target: " + "; ".join(problems))
 
 
-def check_d2t(args: Eagle3Config, d2t: mx.array | None, vocab: int) -> None:
-    """The target ids d2t maps the draft vocabulary to lie in the target's vocabulary, once each."""
+def check_d2t(args: Eagle3Config, d2t, vocab: int) -> None:
+    """The target ids d2t (either backend's tensor) maps the draft vocabulary to lie in the
+    target's vocabulary, once each."""
     if d2t is None:
         return
-    ids = np.arange(args.draft_vocab_size) + np.array(d2t, dtype=np.int64)
+    ids = np.arange(args.draft_vocab_size) + np.array(d2t.tolist(), dtype=np.int64)
     outside = np.flatnonzero((ids < 0) | (ids >= vocab))
     if outside.size:
         bad = int(outside[0])
@@ -159,9 +163,58 @@ def resolve(path) -> Path:
 
 
 def check_checkpoint(path, model) -> None:
-    """The checkpoint's config.json against the target, before any weight is read (what a
-    drafter registry entry's checkpoint check runs)."""
-    check_against_target(read_config(resolve(path)), model)
+    """The checkpoint's config.json against the target (MLX or transformers), before any weight
+    is read (what a drafter registry entry's checkpoint check runs)."""
+    check_against_target(read_config(resolve(path)), sizes_of(model))
+
+
+def sizes_of(model):
+    """What check_against_target reads of a target: an mlx-lm model itself, a transformers
+    one through the torch backend's view of it."""
+    if backend_of(model) == "torch":
+        from ..torch_backend.dflash import _sizes_view
+
+        return _sizes_view(model)
+    return model
+
+
+def read_checkpoint(path, target, *, read_tensors, build, is_integer):
+    """Every check of a checkpoint for `target` (anything check_against_target reads), in
+    order, with the backend's tensors: config.json against the target (sizes, aux layers)
+    before any weight is read, then names and shapes (of the model `build(args, own_embed,
+    own_head)` returns with its parameter shapes), then d2t against the target's vocabulary.
+    Returns (config, that model, the weights it loads, d2t or None)."""
+    path = resolve(path)
+    args = read_config(path)
+    check_against_target(args, target)
+    weights = canonical_weights(read_tensors(path))
+    own_embed, own_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
+    model, expected = build(args, own_embed, own_head)
+    weights = check_weights(args, expected, weights, is_integer)
+    check_against_target(args, target, own_embed=own_embed, own_head=own_head)
+    d2t = weights.pop("d2t", None)
+    check_d2t(args, d2t, target_sizes(target)[1])
+    return args, model, weights, d2t
+
+
+def use_target_parts(args: Eagle3Config, drafter, *, own_embed: bool, own_head: bool,
+                     embedding, head, as_head) -> None:
+    """What the checkpoint lacks, the drafter takes from the target (either backend's modules):
+    its `embedding`, and its `head`, or with SGLang's tie_word_embeddings an embedding (the
+    drafter's own, else the target's) used as one through `as_head(embedding)`. Without
+    lm_head the draft vocabulary is the target's (check_weights refuses it otherwise)."""
+    if not own_embed:
+        drafter.use_embedding(embedding)
+    if not own_head:
+        if args.tie_word_embeddings:
+            drafter.use_head(as_head(drafter.embed_tokens if own_embed else embedding))
+        else:
+            drafter.use_head(head)
+
+
+def _mlx_model(args: Eagle3Config, own_embed: bool, own_head: bool):
+    model = Eagle3Model(args, own_embed=own_embed, own_head=own_head)
+    return model, {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
 
 
 def load_eagle3_model(path, *, model, dtype=None) -> Eagle3Model:
@@ -173,15 +226,10 @@ def load_eagle3_model(path, *, model, dtype=None) -> Eagle3Model:
     the checkpoint carries none. `dtype`: None keeps the checkpoint's, "target" the target's,
     or an mx.Dtype.
     """
-    path = resolve(path)
-    args = read_config(path)
-    check_against_target(args, model)
-    weights = canonical_weights(read_weights(path))
-    drafter, weights = build_model(args, weights)
+    args, drafter, weights, d2t = read_checkpoint(
+        path, model, read_tensors=read_weights, build=_mlx_model,
+        is_integer=lambda a: mx.issubdtype(a.dtype, mx.integer))
     own_embed, own_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
-    check_against_target(args, model, own_embed=own_embed, own_head=own_head)
-    d2t = weights.pop("d2t", None)
-    check_d2t(args, d2t, target_sizes(model)[1])
     if dtype == "target":
         dtype = _dtype_of(target_head(model))
     if dtype is not None:
@@ -189,14 +237,9 @@ def load_eagle3_model(path, *, model, dtype=None) -> Eagle3Model:
                    for k, v in weights.items()}
     drafter.load_weights(list(weights.items()))
     drafter.set_d2t(d2t)
-    if not own_embed:
-        drafter.use_embedding(target_embedding(model))
-    if not own_head:  # draft vocabulary == the target's (checked above)
-        if args.tie_word_embeddings:  # SGLang: lm_head is the (drafter's or target's) embedding
-            embed = drafter.embed_tokens if own_embed else target_embedding(model)
-            drafter.use_head(embed.as_linear)
-        else:
-            drafter.use_head(target_head(model))
+    use_target_parts(args, drafter, own_embed=own_embed, own_head=own_head,
+                     embedding=target_embedding(model), head=target_head(model),
+                     as_head=lambda embedding: embedding.as_linear)
     mx.eval(drafter.parameters())
     drafter.eval()
     return drafter

@@ -278,7 +278,8 @@ register(DrafterKind(
 ))
 register(DrafterKind(
     "eagle3",
-    {"mlx": lazy("mlxspec.drafters.eagle3", "load_eagle3_drafter")},
+    {"mlx": lazy("mlxspec.drafters.eagle3", "load_eagle3_drafter"),
+     "torch": lazy("mlxspec.torch_backend.eagle3", "load_eagle3_drafter")},
     options=(TREE_BUDGET, TREE_WIDTH),
     checkpoint=Checkpoint(
         "an EAGLE-3 drafter checkpoint trained for this target (speculators or SpecForge/SGLang "
