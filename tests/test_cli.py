@@ -174,6 +174,17 @@ def test_generate_with_the_shipped_dflash_drafter(plain):
 
 
 @slow
+def test_generate_with_the_shipped_eagle3_drafter(plain):
+    """`--drafter eagle3` with no checkpoint: the EAGLE-3 drafter trained for SmolLM2 that
+    ships in the package, as a chain and as EAGLE-2 trees; greedy output is the plain text."""
+    for options in ([], ["--tree-budget", "16"]):
+        r = ok(invoke("generate", "--prompt", QUESTION, "--max-tokens", N, "--drafter", "eagle3",
+                      *options, "--verbose"))
+        assert r.stdout == plain.stdout, options
+        assert int(re.search(r"accepted: (\d+)", r.stderr)[1]) > 0, r.stderr
+
+
+@slow
 def test_generate_with_dflash_and_lookup(plain):
     """`--drafter dflash+lookup`: lookup drafts where it finds a match, the shipped DFlash drafter
     elsewhere; the text is still the plain one. Up to 8 drafts: lookup's default K, above the

@@ -162,3 +162,35 @@ def test_torch_features_train_as_mlx_features(target, tmp_path, labels):
     a, b = (mx.load(str(tmp_path / n / "model.safetensors")) for n in ("mlx", "torch"))
     assert max(float(mx.abs(a[k].astype(mx.float32) - b[k].astype(mx.float32)).max())
                for k in a) < 1e-4
+
+
+def test_packaged_eagle3_drafter_is_found_for_its_target_and_kind_only(target, tmp_path,
+                                                                       monkeypatch):
+    """package_drafter(kind="eagle3"): bf16 weights with d2t/t2d kept exact, target.json naming
+    the kind; `load_drafter("eagle3")` without a path finds it (and decodes losslessly), the
+    DFlash lookup does not, nor does another target of the same shape."""
+    import mlxspec
+    import mlxspec.drafters.dflash as dflash_module
+    from mlxspec.training.run import package_drafter
+
+    _train(target, tmp_path / "run", steps=2)
+    dest = package_drafter(tmp_path / "run", tmp_path / "trained" / "tiny", target, kind="eagle3")
+    weights = mx.load(str(dest / "model.safetensors"))
+    assert weights["fc.weight"].dtype == mx.bfloat16 and weights["d2t"].dtype == mx.int64
+    assert weights["t2d"].dtype == mx.bool_
+    assert json.loads((dest / "target.json").read_text())["drafter"] == "eagle3"
+    monkeypatch.setattr(dflash_module, "TRAINED_DIR", tmp_path / "trained")
+    drafter = mlxspec.load_drafter("eagle3", model=target, tokenizer=None)
+    assert drafter.model.fc.weight.dtype == mx.float32  # cast to the target's dtype
+    for prompt in ([1, 2, 3], [9, 4, 4, 4, 17]):
+        outs = []
+        for d in (Drafter(), drafter):
+            outs.append([t for t, _ in speculative_tokens(
+                MLXTarget(target, capture_layers=d.capture_layers, speculative=True), d, prompt,
+                sampling=SamplingConfig(), max_tokens=16, num_draft=4, stats=SpecStats())])
+        assert outs[1] == outs[0]
+    with pytest.raises(ValueError, match="ships one only"):
+        mlxspec.load_drafter("dflash", model=target, tokenizer=None)
+    other = tiny_llama(vocab=VOCAB, hidden=32, layers=6, seed=7, sharpness=3.0)
+    with pytest.raises(ValueError, match="ships one only"):
+        mlxspec.load_drafter("eagle3", model=other, tokenizer=None)

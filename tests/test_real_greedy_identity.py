@@ -30,21 +30,26 @@ def run(model, tokenizer, prompt, drafter, adaptive=True, num_draft=None):
     return [r.token for r in responses], responses[-1]
 
 
-@pytest.mark.parametrize("kind", ["lookup", "draft", "dflash", "dflash-shipped", "dflash+lookup"])
+@pytest.mark.parametrize("kind", ["lookup", "draft", "dflash", "dflash-shipped", "dflash+lookup",
+                                  "eagle3-shipped", "eagle3-tree"])
 def test_spec_equals_plain_on_real_prompts(smollm, smollm_first_layers, smollm_random_dflash,
                                            real_prompts, plain_outputs, kind):
     """dflash: an untrained drafter of the right shape; dflash-shipped: the trained one that
     ships for SmolLM2 (found without a path), at its full 16-token block; dflash+lookup: that
-    one where lookup finds no match."""
+    one where lookup finds no match; eagle3-shipped: the EAGLE-3 drafter that ships for SmolLM2,
+    a chain of 4; eagle3-tree: the same drafting EAGLE-2 trees of 16 nodes."""
     model, tokenizer = smollm
     path = {"draft": smollm_first_layers, "dflash": smollm_random_dflash}.get(kind)
-    drafter = mlxspec.load_drafter(kind.split("-")[0], path, model=model, tokenizer=tokenizer)
+    options = {"eagle3-tree": {"tree_budget": 16}}.get(kind, {})
+    drafter = mlxspec.load_drafter(kind.split("-")[0], path, model=model, tokenizer=tokenizer,
+                                   **options)
     total_accepted = total_drafted = 0
     for prompt, plain in zip(real_prompts, plain_outputs):
         # Fixed K: every step drafts, so every step exercises the rollback path. Small K for the
         # draft model and the untrained DFlash keeps CI time down (the first is sequential, the
         # second rarely hit); the shipped DFlash drafts its whole 16-token block in one pass.
-        k = {"draft": 2, "dflash": 3, "dflash-shipped": 15, "dflash+lookup": 15}.get(kind)
+        k = {"draft": 2, "dflash": 3, "dflash-shipped": 15, "dflash+lookup": 15,
+             "eagle3-shipped": 4, "eagle3-tree": 16}.get(kind)
         tokens, last = run(model, tokenizer, prompt, drafter, adaptive=False, num_draft=k)
         assert tokens == plain
         # Exact accounting: every pass commits its accepted drafts plus one target token.

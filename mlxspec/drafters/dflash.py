@@ -270,13 +270,16 @@ def embedding_checksum(model) -> float:
     return float(rows.astype(mx.float32).sum().item())
 
 
-def find_shipped_drafter(sizes: tuple[int, int, int], checksum) -> Path | None:
-    """The DFlash drafter that ships with mlxspec for a target, if any: a directory under
-    drafters/trained/ whose target.json holds the target's (hidden, vocab, layers) and the sum of
-    its first 8 embedding rows (`checksum()`, called only when the sizes match)."""
+def find_shipped_drafter(sizes: tuple[int, int, int], checksum, kind: str = "dflash") -> Path | None:
+    """The `kind` drafter that ships with mlxspec for a target, if any: a directory under
+    drafters/trained/ whose target.json names the drafter kind ("dflash" when it names none) and
+    holds the target's (hidden, vocab, layers) and the sum of its first 8 embedding rows
+    (`checksum()`, called only when the sizes match)."""
     value = None
     for target_file in sorted(TRAINED_DIR.glob("*/target.json")):
         want = json.loads(target_file.read_text())
+        if want.get("drafter", "dflash") != kind:
+            continue
         if (want["hidden_size"], want["vocab_size"], want["num_layers"]) != tuple(sizes):
             continue
         value = checksum() if value is None else value
@@ -285,8 +288,8 @@ def find_shipped_drafter(sizes: tuple[int, int, int], checksum) -> Path | None:
     return None
 
 
-def shipped_drafter_for(model) -> Path | None:
-    return find_shipped_drafter(target_sizes(model), lambda: embedding_checksum(model))
+def shipped_drafter_for(model, kind: str = "dflash") -> Path | None:
+    return find_shipped_drafter(target_sizes(model), lambda: embedding_checksum(model), kind)
 
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,

@@ -213,16 +213,21 @@ def check_dflash_checkpoint(path, model) -> None:
     check_against_target(DFlashConfig.from_dict(read_config(resolve_hf_source(path))), model)
 
 
-def shipped_dflash_drafter(model):
-    """The trained DFlash drafter shipped for this target (MLX or transformers), or None."""
-    from .dflash import find_shipped_drafter, shipped_drafter_for
+def shipped(kind: str) -> Callable[[Any], Any]:
+    """model -> the trained `kind` drafter shipped for this target (MLX or transformers), or
+    None (drafters/trained/*/target.json says which kind and target each one is)."""
 
-    if backend_of(model) == "mlx":
-        return shipped_drafter_for(model)
-    config = model.config
-    sizes = (config.hidden_size, config.vocab_size, config.num_hidden_layers)
-    weight = model.get_input_embeddings().weight
-    return find_shipped_drafter(sizes, lambda: float(weight[:8].float().sum().item()))
+    def find(model):
+        from .dflash import find_shipped_drafter, shipped_drafter_for
+
+        if backend_of(model) == "mlx":
+            return shipped_drafter_for(model, kind)
+        config = model.config
+        sizes = (config.hidden_size, config.vocab_size, config.num_hidden_layers)
+        weight = model.get_input_embeddings().weight
+        return find_shipped_drafter(sizes, lambda: float(weight[:8].float().sum().item()), kind)
+
+    return find
 
 
 # ---- The drafters -------------------------------------------------------------------------------
@@ -271,7 +276,7 @@ register(DrafterKind(
     checkpoint=Checkpoint(
         "a drafter checkpoint trained for this target",
         check=check_dflash_checkpoint,
-        shipped=shipped_dflash_drafter,
+        shipped=shipped("dflash"),
         shipped_note="mlxspec ships one only for the default SmolLM2-135M-Instruct",
         shipped_options={"mlx": {"dtype": "target"}},  # stored in bf16 to keep the package small
     ),
@@ -285,5 +290,8 @@ register(DrafterKind(
         "an EAGLE-3 drafter checkpoint trained for this target (speculators or SpecForge/SGLang "
         "layout)",
         check=lazy("mlxspec.drafters.eagle3_loading", "check_checkpoint"),
+        shipped=shipped("eagle3"),
+        shipped_note="mlxspec ships one only for the default SmolLM2-135M-Instruct",
+        shipped_options={"mlx": {"dtype": "target"}},  # stored in bf16 to keep the package small
     ),
 ))

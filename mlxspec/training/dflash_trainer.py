@@ -64,6 +64,7 @@ from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from 
     TrainResult,
     answer_share,
     epoch_order,
+    package_drafter,
     frequent_tokens,
     heldout_tau,
     prepare_data,
@@ -454,33 +455,6 @@ def write_checkpoint(out: Path, config: dict, weights: dict, inv_scale, draft_vo
 
 def write_draft_vocab(out: Path, token_ids) -> None:
     _atomic_write_text(Path(out) / DRAFT_VOCAB_FILE, draft_vocab_json(token_ids))
-
-
-def package_drafter(run_dir, dest, target, *, dtype=mx.bfloat16, notes: dict | None = None) -> Path:
-    """Copy a trained checkpoint into `dest` as a shippable drafter: config.json, the weights in
-    `dtype` (bf16 halves the size; loading casts to the target's dtype), its draft vocabulary if
-    any, and target.json, which names the target it was trained for (sizes and embedding
-    checksum) so that `--drafter dflash` finds it for that target only."""
-    from ..drafters.dflash import embedding_checksum
-
-    run_dir, dest = Path(run_dir), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(dtype) for k, v in mx.load(str(run_dir / "model.safetensors")).items()}
-    _atomic_save_safetensors(dest / "model.safetensors", weights)
-    config = json.loads((run_dir / "config.json").read_text())
-    config["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
-    _atomic_write_text(dest / "config.json", json.dumps(config, indent=2) + "\n")
-    vocab_file = run_dir / DRAFT_VOCAB_FILE
-    if vocab_file.is_file():
-        _atomic_write_text(dest / DRAFT_VOCAB_FILE, vocab_file.read_text())
-    else:  # a drafter trained on the full vocabulary drafts from all of it
-        (dest / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
-    hidden, vocab, layers = target_sizes(target)
-    _atomic_write_text(dest / "target.json", json.dumps({
-        "hidden_size": hidden, "vocab_size": vocab, "num_layers": layers,
-        "embedding_checksum": embedding_checksum(target), **(notes or {}),
-    }, indent=2) + "\n")
-    return dest
 
 
 # ---- The trainer ------------------------------------------------------------------------------

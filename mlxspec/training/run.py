@@ -340,6 +340,37 @@ def feature_scale(raw_features, sequences) -> mx.array:
     return inv_scale
 
 
+def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfloat16,
+                    notes: dict | None = None) -> Path:
+    """Copy a trained checkpoint into `dest` as a shippable drafter: config.json, the floating
+    weights in `dtype` (bf16 halves the size; loading casts to the target's dtype; integer and
+    boolean tensors such as EAGLE-3's d2t/t2d stay as they are), a DFlash draft vocabulary if
+    any, and target.json, which names the drafter kind and the target it was trained for (sizes
+    and embedding checksum) so that `--drafter KIND` finds it for that target only."""
+    from ..drafters.dflash import embedding_checksum
+    from ..models.dflash import DRAFT_VOCAB_FILE
+
+    run_dir, dest = Path(run_dir), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in mx.load(str(run_dir / "model.safetensors")).items()}
+    _atomic_save_safetensors(dest / "model.safetensors", weights)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
+    _atomic_write_text(dest / "config.json", json.dumps(config, indent=2) + "\n")
+    vocab_file = run_dir / DRAFT_VOCAB_FILE
+    if vocab_file.is_file():
+        _atomic_write_text(dest / DRAFT_VOCAB_FILE, vocab_file.read_text())
+    else:  # a drafter trained on the full vocabulary drafts from all of it
+        (dest / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
+    hidden, vocab, layers = target_sizes(target)
+    _atomic_write_text(dest / "target.json", json.dumps({
+        "drafter": kind, "hidden_size": hidden, "vocab_size": vocab, "num_layers": layers,
+        "embedding_checksum": embedding_checksum(target), **(notes or {}),
+    }, indent=2) + "\n")
+    return dest
+
+
 def heldout_tau(target, drafter, prompts: list[list[int]], *, tokenizer=None,
                 max_tokens: int = 64, num_draft: int | None = None) -> float:
     """Tokens per target pass over all held-out prompts, by the real loop (greedy, a fixed
