@@ -283,8 +283,9 @@ def test_chat_two_turns_keep_history(smollm):
 
 @slow
 @pytest.mark.parametrize("options", [["--drafter", "dflash", "--tree-budget", "8"],
-                                     ["--drafter", "lookup", "--lookup-branches", "3"]],
-                         ids=["ddtree", "lookup-branches"])
+                                     ["--drafter", "lookup", "--lookup-branches", "3"],
+                                     ["--drafter", "eagle3", "--tree-budget", "8"]],
+                         ids=["ddtree", "lookup-branches", "eagle3-tree"])
 def test_chat_with_trees_keeps_history_and_replies_as_plain(smollm, options):
     """Trees in chat: each turn's cache, kept from the last and compacted after every tree
     pass, gives the replies plain decoding gives."""
