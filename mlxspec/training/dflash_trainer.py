@@ -69,6 +69,7 @@ from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from 
     heldout_tau,
     prepare_data,
     schedule as _schedule,
+    torch_features,
     train,
     trainable_ids,
 )
@@ -678,8 +679,5 @@ def train_dflash(
 
             recipe.torch_target = load(target, backend="torch", device=device,
                                        torch_dtype="float32")[0]
-        from ..torch_backend.dflash_training import target_features as torch_features
-
-        def raw_features(tokens, layers):  # the backend that trains computes its own features
-            return mx.array(torch_features(recipe.torch_target, tokens, layers)[0].cpu().numpy())
+        raw_features = torch_features(recipe.torch_target)  # the backend that trains, its own
     return train(recipe, target, run, raw_features=raw_features)

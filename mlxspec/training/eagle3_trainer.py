@@ -36,7 +36,7 @@ from ..hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
 from .data import _atomic_save_safetensors, _atomic_write_text
 from .dflash_trainer import head_weight, sequence_features, shifted_labels
-from .run import STATE_DIR, MLXTraining, Recipe, RunSettings, TrainResult, train
+from .run import STATE_DIR, MLXTraining, Recipe, RunSettings, TrainResult, torch_features, train
 
 TTT_STEPS = 7  # SpecForge's ttt_length
 STEP_DECAY = 0.8  # SpecForge's loss weight per TTT step
@@ -321,10 +321,5 @@ def train_eagle3(target, prompts, out, *, tokenizer=None, ttt_steps: int | None 
     run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, **run_options)
     if run.backend != "mlx":
         raise ValueError("EAGLE-3 training runs on the MLX backend only")
-    raw_features = None
-    if feature_target is not None:
-        from ..torch_backend.dflash_training import target_features as torch_features
-
-        def raw_features(tokens, layers):
-            return mx.array(torch_features(feature_target, tokens, layers)[0].cpu().numpy())
+    raw_features = torch_features(feature_target) if feature_target is not None else None
     return train(recipe, target, run, raw_features=raw_features)

@@ -371,6 +371,15 @@ def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfl
     return dest
 
 
+def torch_features(torch_target):
+    """`train`'s raw_features from a torch copy of the target (the feature scale is then measured
+    on the features the training steps will see)."""
+    from ..torch_backend.dflash_training import target_features
+
+    return lambda tokens, layers: mx.array(
+        target_features(torch_target, tokens, layers)[0].cpu().numpy())
+
+
 def heldout_tau(target, drafter, prompts: list[list[int]], *, tokenizer=None,
                 max_tokens: int = 64, num_draft: int | None = None) -> float:
     """Tokens per target pass over all held-out prompts, by the real loop (greedy, a fixed
