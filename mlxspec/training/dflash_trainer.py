@@ -54,16 +54,16 @@ from ..models.dflash import (
     draft_vocab_json,
     read_weights,
 )
-from .data import _atomic_save_safetensors, _atomic_write_text, eos_ids
+from .data import _atomic_write_text, eos_ids
 from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from here by callers)
     FIT_HORIZON,
-    STATE_DIR,
     MLXTraining,
     Recipe,
     RunSettings,
     TrainResult,
     answer_share,
     epoch_order,
+    fold_feature_scale,
     package_drafter,
     frequent_tokens,
     heldout_tau,
@@ -72,6 +72,7 @@ from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from 
     torch_features,
     train,
     trainable_ids,
+    write_checkpoint_files,
 )
 
 
@@ -418,20 +419,12 @@ def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma
 # ---- Checkpoints ----------------------------------------------------------------------------
 
 
-def export_weights(weights: dict, inv_scale: mx.array | None) -> dict[str, mx.array]:
-    """z-lab-named weights with the feature scale folded into fc (x/s then W  ==  W/s then x)."""
-    weights = {k: mx.array(v) for k, v in weights.items()}
-    if inv_scale is not None:
-        weights["fc.weight"] = weights["fc.weight"] * inv_scale[None].astype(weights["fc.weight"].dtype)
-    return weights
-
-
 def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target,
                    draft_vocab=None) -> DFlashDrafter:
     """An inference drafter with the given training weights (scale folded), for τ measurement;
     it drafts from `draft_vocab` (the loss vocabulary) as the written checkpoint will."""
     copy = DFlashModel(args)
-    copy.load_weights(list(export_weights(weights, inv_scale).items()))
+    copy.load_weights(list(fold_feature_scale(weights, inv_scale).items()))
     mx.eval(copy.parameters())
     copy.eval()
     return DFlashDrafter(
@@ -444,12 +437,7 @@ def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target,
 def write_checkpoint(out: Path, config: dict, weights: dict, inv_scale, draft_vocab=None) -> None:
     """config.json + model.safetensors (z-lab's format), and with a loss vocabulary its ids as
     the draft vocabulary: the rows the drafter learned to rank, all that drafting needs."""
-    out.mkdir(parents=True, exist_ok=True)
-    state = out / STATE_DIR
-    state.mkdir(exist_ok=True)
-    _atomic_save_safetensors(out / "model.safetensors", export_weights(weights, inv_scale),
-                             tmp_dir=state)  # the temporary file must not sit beside config.json
-    _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    write_checkpoint_files(out, config, fold_feature_scale(weights, inv_scale))
     if draft_vocab is not None:
         write_draft_vocab(out, draft_vocab)
 

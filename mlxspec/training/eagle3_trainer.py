@@ -22,8 +22,6 @@ The checkpoint is speculators-layout (config.json with transformer_layer_config,
 with fc, layers.0.*, norm, lm_head, d2t, t2d), loadable by `--drafter eagle3 --drafter-model`.
 """
 
-import json
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -34,9 +32,17 @@ from ..drafters.dflash import target_embedding, target_final_norm, target_head, 
 from ..drafters.eagle3 import Eagle3Drafter
 from ..hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
-from .data import _atomic_save_safetensors, _atomic_write_text
 from .dflash_trainer import head_weight, sequence_features, shifted_labels
-from .run import STATE_DIR, MLXTraining, Recipe, RunSettings, TrainResult, torch_features, train
+from .run import (
+    MLXTraining,
+    Recipe,
+    RunSettings,
+    TrainResult,
+    fold_feature_scale,
+    torch_features,
+    train,
+    write_checkpoint_files,
+)
 
 TTT_STEPS = 7  # SpecForge's ttt_length
 STEP_DECAY = 0.8  # SpecForge's loss weight per TTT step
@@ -201,9 +207,7 @@ class MLXEagle3Training(MLXTraining):
 def export_weights(weights: dict, inv_scale, draft_ids, vocab: int) -> dict[str, mx.array]:
     """Checkpoint tensors: the training weights with the feature scale folded into fc, and the
     draft vocabulary as speculators writes it (d2t: target id - draft id; t2d: a mask)."""
-    out = {k: mx.array(v) for k, v in weights.items()}
-    if inv_scale is not None:
-        out["fc.weight"] = out["fc.weight"] * inv_scale[None].astype(out["fc.weight"].dtype)
+    out = fold_feature_scale(weights, inv_scale)
     if draft_ids is not None:
         ids = np.asarray(draft_ids, dtype=np.int64)
         out["d2t"] = mx.array(ids - np.arange(len(ids)))
@@ -286,13 +290,8 @@ class Eagle3Recipe(Recipe):
         return prompt_len, trained, first
 
     def write(self, out, config, weights, inv_scale, loss_ids):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / STATE_DIR).mkdir(exist_ok=True)
         vocab = int(config["transformer_layer_config"]["vocab_size"])
-        _atomic_save_safetensors(out / "model.safetensors",
-                                 export_weights(weights, inv_scale, loss_ids, vocab),
-                                 tmp_dir=out / STATE_DIR)
-        _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+        write_checkpoint_files(out, config, export_weights(weights, inv_scale, loss_ids, vocab))
 
     def drafter(self, config, weights, inv_scale, target, loss_ids):
         return drafter_from(config, weights, inv_scale, target, loss_ids)

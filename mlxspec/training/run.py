@@ -340,6 +340,26 @@ def feature_scale(raw_features, sequences) -> mx.array:
     return inv_scale
 
 
+def fold_feature_scale(weights: dict, inv_scale: mx.array | None) -> dict[str, mx.array]:
+    """Checkpoint tensors from training weights: the feature scale folded into fc (x/s then W
+    == W/s then x), so a checkpoint reads the target's raw features."""
+    weights = {k: mx.array(v) for k, v in weights.items()}
+    if inv_scale is not None:
+        fc = weights["fc.weight"]
+        weights["fc.weight"] = fc * inv_scale[None].astype(fc.dtype)
+    return weights
+
+
+def write_checkpoint_files(out: Path, config: dict, tensors: dict[str, mx.array]) -> None:
+    """config.json + model.safetensors in `out`, each written atomically (the temporary file in
+    train_state/, never beside config.json, where a loader could pick it up)."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = out / STATE_DIR
+    state.mkdir(exist_ok=True)
+    _atomic_save_safetensors(out / "model.safetensors", tensors, tmp_dir=state)
+    _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+
+
 def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfloat16,
                     notes: dict | None = None) -> Path:
     """Copy a trained checkpoint into `dest` as a shippable drafter: config.json, the floating
