@@ -60,8 +60,11 @@ def accept_sampled(
 
     # Row i < K is the residual after rejecting draft i; row K is q itself (the bonus token).
     residual = torch.cat([(q[:-1] - p).clamp_min(0.0), q[-1:]], dim=0)
-    row = _row(residual, accepted)
-    mass = row.sum()
-    # Rejection has probability 0 when the residual is empty; guard the division anyway.
-    row = torch.where(mass > 0, row / mass.clamp_min(1e-30), _row(q, accepted))
-    return accepted, categorical(row)
+    return accepted, categorical(normalised(_row(residual, accepted), _row(q, accepted)))
+
+
+def normalised(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Rows of `residual` scaled to sum to 1; a row with no mass left keeps `fallback`'s
+    (rejection has probability 0 when the residual is empty; the division is guarded anyway)."""
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), fallback)

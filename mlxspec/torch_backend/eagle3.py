@@ -36,7 +36,7 @@ from ..models.eagle3 import Eagle3Config
 from ..sampling import SamplingConfig
 from .dflash import _WeightHead, block_mask, read_weights
 from .sampling import categorical, processed_logprobs
-from .target import cache_length, crop, decoder_layers, host_tokens, model_device
+from .target import additive, cache_length, crop, decoder_layers, host_tokens, model_device
 
 
 def layer_config(args: Eagle3Config) -> LlamaConfig:
@@ -158,14 +158,6 @@ class Eagle3Model(nn.Module):
         """The target id of every draft-vocabulary row, (draft_vocab,)."""
         rows = torch.arange(self.args.draft_vocab_size, device=self.fc.weight.device)
         return rows if self.d2t is None else rows + self.d2t
-
-
-def additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool visibility (L, S) as transformers' attention adds it: (1, 1, L, S), 0 or -inf."""
-    if visible is None:
-        return None
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill(~visible, float("-inf"))[None, None]
 
 
 class TorchArrays:

@@ -138,9 +138,16 @@ def tree_attention(tree: DeviceTree, past: int, dtype: torch.dtype):
     past + depth, where a prefill of its branch would put it."""
     ancestors = ancestor_mask(tree)
     visible = torch.cat([ancestors.new_ones(ancestors.shape[0], past), ancestors], dim=1)
+    return additive(visible, dtype), (past + tree.depth)[None]
+
+
+def additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool visibility (L, S) as transformers' attention adds it: (1, 1, L, S), 0 or -inf
+    (a 4D mask it uses as given)."""
+    if visible is None:
+        return None
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    mask = mask.masked_fill(~visible, float("-inf"))
-    return mask[None, None], (past + tree.depth)[None]
+    return mask.masked_fill(~visible, float("-inf"))[None, None]
 
 
 def keep_branch(cache, pending_at: int, branch: list[int], device: torch.device) -> None:

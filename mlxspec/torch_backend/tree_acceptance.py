@@ -15,6 +15,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import TreeShape
+from .acceptance import normalised
 from .sampling import categorical, processed_logprobs
 
 
@@ -64,13 +65,6 @@ def accept_tree_greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceT
     return tree.depth[best], targets[best], _path_to(best, tree)
 
 
-def _normalised(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """Rows of `residual` scaled to sum to 1; a row with no mass left (its rejection had
-    probability 0) keeps `fallback`'s."""
-    mass = residual.sum(dim=-1, keepdim=True)
-    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), fallback)
-
-
 def accept_tree_sampled(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceTree,
                         draft_probs: torch.Tensor | None, sampling: SamplingConfig):
     """Multi-candidate speculative sampling over a tree (SpecInfer), as
@@ -95,7 +89,7 @@ def accept_tree_sampled(logits: torch.Tensor, tokens: torch.Tensor, tree: Device
         tried = (child >= 0) & (kept_child < 0)
         kept = tried & (uniform[:, j] < keep_probability)
         kept_child = torch.where(kept, child, kept_child)
-        q = torch.where((tried & ~kept)[:, None], _normalised(residual, q), q)
+        q = torch.where((tried & ~kept)[:, None], normalised(residual, q), q)
     node = tree.parents.new_zeros(1)
     for _ in range(tree.shape.max_depth):  # down the kept children; a node keeping none stays
         node = torch.where(kept_child[node] >= 0, kept_child[node], node)
