@@ -116,11 +116,9 @@ def _check_decoding(num_draft, max_tokens, drafter="none", draft_model=None, opt
         raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
     for option in registry.drafter_options():
         value = (options or {}).get(option.name, option.default)
-        try:
-            option.check(value)
-        except ValueError as err:
-            raise click.BadParameter(str(err).split(" ", 1)[1],
-                                     param_hint=option.flag_for(value)) from None
+        problem = option.problem(value)
+        if problem:
+            raise click.BadParameter(problem, param_hint=option.flag_for(value))
         if value != option.default and option not in kind.options:
             takers = " or ".join(registry.takers(option))
             raise click.BadParameter(f"only applies to --drafter {takers}",

@@ -37,10 +37,12 @@ class DrafterOption:
         on, _, off = self.flags.partition("/")
         return off if value is False and off else on
 
-    def check(self, value) -> None:
-        """Refuse a value below `minimum` (ValueError naming the flag), before any loading."""
+    def problem(self, value) -> str | None:
+        """What is wrong with `value` (below `minimum`), checked before any loading; None if
+        nothing. Callers name the flag their own way (click's param hint, a bench label)."""
         if self.minimum is not None and value is not None and value < self.minimum:
-            raise ValueError(f"{self.flag_for(value)} must be >= {self.minimum}, got {value}")
+            return f"must be >= {self.minimum}, got {value}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,9 @@ def parse_label(label: str) -> tuple[str, dict]:
         except ValueError:
             raise ValueError(f"drafter label {label!r}: {flag} takes a {option.type.__name__}, "
                              f"got {value!r}") from None
-        option.check(options[option.name])
+        problem = option.problem(options[option.name])
+        if problem:
+            raise ValueError(f"{option.flag_for(options[option.name])} {problem}")
     return name, options
 
 
