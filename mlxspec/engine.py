@@ -145,6 +145,13 @@ class Drafter:
     # by the chain model of acceptance by position, which a tree's nodes do not follow.
     drafts_trees = False
 
+    def draft_trees(self, budget: int | None) -> None:
+        """Propose trees of up to `budget` nodes instead of chains (None keeps chains): the
+        budget becomes the most drafts a step takes and the default."""
+        if budget is not None:
+            self.default_num_draft = self.max_draft = budget
+            self.drafts_trees = True
+
     def begin(self, prompt: list[int], features: Any = None) -> None:
         """A new sequence starts: `prompt` is in the target cache except its last token."""
 

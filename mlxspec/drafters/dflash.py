@@ -52,9 +52,7 @@ class DFlashDrafter(Drafter):
         # DDTree: a tree of up to `tree_budget` nodes grown best-first from each slot's
         # `tree_width` best tokens, instead of the chain of each slot's best.
         self.tree_budget, self.tree_width = check_tree(tree_budget, tree_width)
-        if self.tree_budget is not None:
-            self.default_num_draft = self.max_draft = self.tree_budget
-            self.drafts_trees = True
+        self.draft_trees(self.tree_budget)
         self.capture_layers = tuple(self.args.target_layer_ids)
         self.embed_tokens = embed_tokens
         # Drafts come from `draft_vocab`'s head rows only when given (their logits are all a

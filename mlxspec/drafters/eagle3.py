@@ -53,9 +53,7 @@ class Eagle3Drafting(Drafter):
         # and `tree_depth` levels (fewer when the budget is smaller), instead of a chain.
         self.tree_budget, self.tree_width = check_tree_options(tree_budget, tree_width, tree_depth)
         self.tree_depth = tree_depth
-        if self.tree_budget is not None:
-            self.default_num_draft = self.max_draft = self.tree_budget
-            self.drafts_trees = True
+        self.draft_trees(self.tree_budget)
         self.target_vocab = int(target_vocab)
         self.hot_ids = model.target_ids()  # target id of each draft-vocabulary row
         self.cache = model.make_cache()

@@ -270,9 +270,7 @@ class TorchDFlashDrafter(Drafter):
         self.block_size = check_block_size(block_size, self.args.block_size)
         self.default_num_draft = self.max_draft = self.block_size - 1
         self.tree_budget, self.tree_width = check_tree(tree_budget, tree_width)  # DDTree
-        if self.tree_budget is not None:
-            self.default_num_draft = self.max_draft = self.tree_budget
-            self.drafts_trees = True
+        self.draft_trees(self.tree_budget)
         self.capture_layers = tuple(self.args.target_layer_ids)
         self.embed_tokens = embed_tokens
         self.draft_ids = None
