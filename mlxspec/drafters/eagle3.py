@@ -1,340 +1,42 @@
 """EAGLE-3 drafting for the shared loop: a chain of K autoregressive drafter steps, or a tree.
 
-The drafter's cache holds one pair (token i+1, target features of position i) per committed
-position but the pending one's: exactly what the target has processed. Its last output h
-already ranks the pending token's successor, so draft 1 costs only the head; drafts 2..K each
-run the drafter's layer once more on (previous draft, previous h) at the next position, as the
-EAGLE-3 paper's test-time chain (and mlx-vlm's, speculators' TTT steps) does. After
-verification those chain positions are cut from the cache and the newly committed pairs are
-appended with the target's features. A chain reads nothing back to the host.
-
-Drafts are argmax when greedy (one-hot p); when sampling, each draft is drawn from the drafter's
-processed distribution over its draft vocabulary, reported over the target's vocabulary with
-zeros outside it, so accept_sampled's rule stays lossless.
-
-With `tree_budget` the drafter proposes EAGLE-2's dynamic tree instead (Li et al., 2024): each
-depth expands the `tree_width` most probable nodes at once, in one pass of the layer, and the
-`tree_budget` most probable of all candidates are verified. The candidates are read to the
-host once (the tree's shape depends on them); their entries are cut from the cache after
-verification as a chain's steps are.
-
-All of this is written once, in Eagle3Drafting, for both backends; Eagle3Drafter adds MLX's
-tensor math, mlxspec.torch_backend.eagle3.TorchEagle3Drafter torch's.
+The chain, the tree and their bookkeeping are drafters/paired.py's, shared with MTP drafting;
+this module sets them up from an EAGLE-3 checkpoint: the target layers it reads, its feature
+width, its draft vocabulary (d2t), and its default chain length. Eagle3Drafting is the host
+side for both backends; Eagle3Drafter adds MLX's tensor math,
+mlxspec.torch_backend.eagle3.TorchEagle3Drafter torch's.
 """
 
-import math
-
-import mlx.core as mx
-
-from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ..generate import check_count
 from ..hidden_states import decoder_layers
-from ..sampling import SamplingConfig, processed_logprobs
-from .dflash import check_tree
+from .paired import (  # noqa: F401  (re-exported: the tree helpers' old home)
+    MLXArrays,
+    MLXPairedDrafting,
+    PairedDrafting,
+    best_nodes,
+    candidate_parents,
+    check_tree_options,
+)
 
 
-class Eagle3Drafting(Drafter):
-    """The EAGLE-3 drafter's host side, one for both backends: which pairs are committed, when
-    chain or tree entries are cut, how a chain is drawn and a tree grown and numbered. A
-    backend's subclass brings the tensor math: its model (called as models.eagle3.Eagle3Model
-    is), `xp` (the few array primitives below use), its cache's length and cut, one draw from
-    a step's logits, and a node's best children."""
+class Eagle3Drafting(PairedDrafting):
+    """PairedDrafting set up from an EAGLE-3 model (models.eagle3.Eagle3Model or its torch
+    twin): its aux layers' features, projected by its fc, and its draft vocabulary."""
 
     name = "eagle3"
-    xp = None  # the backend's array primitives: MLXArrays, or the torch backend's
 
-    def __init__(self, model, *, num_target_layers: int, target_vocab: int,
-                 tree_budget: int | None = None, tree_width: int = 4, tree_depth: int = 6):
-        self.model = model
-        self.args = model.args
-        self.capture_layers = tuple(self.args.capture_layers(num_target_layers))
-        self.default_num_draft = int(self.args.num_speculative_tokens or 3)
-        # EAGLE-2's dynamic tree of up to `tree_budget` nodes, `tree_width` children per node
-        # and `tree_depth` levels (fewer when the budget is smaller), instead of a chain.
-        self.tree_budget, self.tree_width = check_tree_options(tree_budget, tree_width, tree_depth)
-        self.tree_depth = tree_depth
-        self.draft_trees(self.tree_budget)
-        self.target_vocab = int(target_vocab)
-        self.hot_ids = model.target_ids()  # target id of each draft-vocabulary row
-        self.cache = model.make_cache()
-        self._hidden: list = []  # the layer's outputs per committed pair, in chunks
-        self._committed = 0  # pairs in the cache (the cache may hold chain steps beyond)
-
-    # ---- the backend's tensor math ----
-
-    def _cache_length(self) -> int:
-        """Entries in the draft cache: committed pairs, then the last proposal's."""
-        raise NotImplementedError
-
-    def _cut(self, n: int) -> None:
-        """Drop the cache's last n entries."""
-        raise NotImplementedError
-
-    def _draw(self, logits, sampling: SamplingConfig):
-        """A chain step's draft-vocabulary row, and (sampling) its distribution p over the
-        target's vocabulary, zero outside the draft vocabulary; None when greedy (one-hot)."""
-        raise NotImplementedError
-
-    def _best_children(self, hidden, width: int, sampling: SamplingConfig):
-        """Layer outputs (n, H) -> the `width` best next tokens of each, (n, width): their
-        log-probabilities (never above 0, so a path's score only falls) and target ids."""
-        raise NotImplementedError
-
-    # ---- shared ----
-
-    @property
-    def context_length(self) -> int:
-        """Committed positions whose pairs are cached (all committed tokens but the pending)."""
-        return self._committed
-
-    def begin(self, prompt, features=None):
-        self.cache = self.model.make_cache()
-        self._hidden, self._committed = [], 0
-        self._append(list(prompt[1:]), features)
-
-    def _append(self, tokens: list[int], features) -> None:
-        """Pairs (tokens[j], features[j]): the token that follows each featured position."""
-        if features is None:
-            raise ValueError(
-                "the EAGLE-3 drafter needs target hidden states: build the target with "
-                "capture_layers=drafter.capture_layers"
-            )
-        if features.shape[0] == 0:  # a one-token prompt has no pair yet
-            return
-        width = self.args.num_aux_layers * self.args.target_hidden_size
-        if features.ndim != 2 or features.shape[1] != width:
-            raise ValueError(
-                f"target features have shape {tuple(features.shape)}; the EAGLE-3 drafter "
-                f"expects (positions, {width}) from layers {list(self.capture_layers)}"
-            )
-        if features.shape[0] != len(tokens):
-            raise ValueError(f"{features.shape[0]} feature rows for {len(tokens)} tokens")
-        self._trim_chain()
-        h = self.model(self.xp.ids(tokens), self.model.project(features[None]), self.cache)
-        self._hidden.append(h[0])
-        self._committed += len(tokens)
-
-    def _trim_chain(self) -> None:
-        """Drop the chain steps (or tree entries) of the last proposal from the cache."""
-        excess = self._cache_length() - self._committed
-        if excess > 0:
-            self._cut(excess)
-
-    def _rewind(self, num_pairs: int) -> None:
-        """Keep exactly `num_pairs` committed pairs (a caller may have rolled back)."""
-        if num_pairs > self._committed:
-            raise ValueError(
-                f"the EAGLE-3 context holds {self._committed} positions but {num_pairs} tokens "
-                "precede the pending one; commit() must receive every verdict's features"
-            )
-        self._trim_chain()
-        drop = self._committed - num_pairs
-        if drop:
-            self._cut(drop)
-            kept, total = [], 0
-            for chunk in self._hidden:
-                if total + chunk.shape[0] > num_pairs:
-                    chunk = chunk[: num_pairs - total]
-                if chunk.shape[0]:
-                    kept.append(chunk)
-                total += chunk.shape[0]
-            self._hidden, self._committed = kept, num_pairs
-
-    def _last_output(self):
-        """(1, H): the last committed pair's output, which ranks the pending token's successor."""
-        return self._hidden[-1][-1:]
-
-    def _chain(self, k: int, choose) -> None:
-        """k chain steps from the last committed pair: step j's logits go to `choose(j,
-        logits)`, whose token (target id; read only when a step follows) step j+1 embeds."""
-        h = self._last_output()[None]  # (1, 1, H)
-        for j in range(k):
-            token = choose(j, self.model.logits(h)[0, -1])
-            if j + 1 < k:
-                h = self.model(token.reshape(1, 1), h, self.cache)
-
-    def chain_logits(self, tokens: list[int], k: int, draft_ids=None) -> list:
-        """Draft-vocabulary logits of k chain steps after `tokens` (pending last). Step j+1
-        feeds draft j: `draft_ids[j]` (target ids) when given, else step j's argmax."""
-        self._rewind(len(tokens) - 1)
-        if not self._committed:
-            raise ValueError("no committed pair yet: a one-token prompt conditions no draft")
-        out = []
-
-        def record(j, logits):
-            out.append(logits)
-            if draft_ids is not None:
-                return self.xp.ids(draft_ids[j : j + 1])  # empty past the last, never read
-            return self.hot_ids[self.xp.argmax(logits)]
-
-        self._chain(k, record)
-        return out
-
-    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
-        self._rewind(len(tokens) - 1)
-        if k < 1 or not self._committed:
-            return EMPTY_DRAFT  # no pair yet: nothing conditions a draft
-        if self.tree_budget is not None:
-            return self._propose_tree(tokens, k, sampling)
-        drafts, probs = [], []
-
-        def draw(j, logits):
-            row, p = self._draw(logits, sampling)
-            drafts.append(self.hot_ids[row])
-            if p is not None:
-                probs.append(p)
-            return drafts[-1]
-
-        self._chain(k, draw)
-        return Draft(tokens=self.xp.stack(drafts), probs=self.xp.stack(probs) if probs else None)
-
-    def _propose_tree(self, tokens: list[int], budget: int, sampling: SamplingConfig) -> Draft:
-        """The `budget` candidates of highest path log-probability (EAGLE-2's re-ranking),
-        numbered best first: an ancestor scores at least as high and was found earlier, so
-        parents come before children, each node's children are ordered best first and the
-        first chain is the greedy chain. Children are deterministic (the top ones of the
-        drafter's processed distribution when sampling, Draft.probs None): the tree rule with
-        one-hot p keeps any deterministic children lossless."""
-        scores, ids, parents = self.tree_candidates(tokens, budget, sampling)
-        kept, numbers = best_nodes(scores, parents, budget), {0: 0}
-        for node, candidate in enumerate(kept, start=1):
-            numbers[candidate + 1] = node
-        return Draft(tokens=[ids[c] for c in kept],
-                     parents=tuple(numbers[parents[c]] for c in kept))
-
-    def tree_candidates(self, tokens: list[int], budget: int, sampling: SamplingConfig):
-        """EAGLE-2's expansion after `tokens` (pending last): the root's `width` best tokens
-        are depth 1; at each depth the `width` candidates of highest path log-probability go
-        through the layer together (each its token and its parent's output, at the position
-        of its depth, seeing the committed pairs and its ancestors' entries), and each one's
-        `width` best tokens are the next depth's candidates. Device work only until the end,
-        then one read of every candidate (width + (depth - 1) * width^2 of them): lists of
-        path log-probabilities, target ids and parents (candidate numbers, 1-based in the
-        order listed, depth by depth; 0 the pending token)."""
-        self._rewind(len(tokens) - 1)
-        xp, width = self.xp, min(self.tree_width, budget, self.args.draft_vocab_size)
-        root = self._last_output()
-        scores, ids = self._best_children(root, width, sampling)
-        scores, ids, hidden = scores[0], ids[0], xp.cat([root] * width)
-        columns, expanded = [(scores, ids)], []
-        seen = xp.ones(width, self._committed)  # entries each node sees: pairs, its ancestors
-        for depth in range(1, min(self.tree_depth, budget)):
-            seen = xp.cat([seen, xp.eye(width)], axis=1)
-            positions = xp.full(width, self._committed + depth)
-            out = self.model(ids[None], hidden[None], self.cache, mask=seen,
-                             positions=positions)[0]
-            child_scores, child_ids = self._best_children(out, width, sampling)  # (W, W)
-            child_scores = (scores[:, None] + child_scores).reshape(-1)
-            child_ids = child_ids.reshape(-1)
-            columns.append((child_scores, child_ids))
-            best = xp.top(child_scores, width)  # the next depth's nodes to expand
-            expanded.append(best)
-            scores, ids = child_scores[best], child_ids[best]
-            hidden, seen = out[best // width], seen[best // width]
-        host = xp.read([xp.cat(list(column)) for column in zip(*columns)] + expanded)
-        return host[0], host[1], candidate_parents(width, host[2:])
-
-    def commit(self, tokens: list[int], verdict: Verdict) -> None:
-        self._trim_chain()
-        self._append(verdict.committed, verdict.features)
+    def __init__(self, model, *, num_target_layers: int, target_vocab: int, **tree_options):
+        self.args = args = model.args
+        maps_vocab = args.uses_draft_vocab or model.d2t is not None
+        super().__init__(
+            model, capture_layers=args.capture_layers(num_target_layers),
+            feature_width=args.num_aux_layers * args.target_hidden_size,
+            target_vocab=target_vocab, default_num_draft=int(args.num_speculative_tokens or 3),
+            hot_ids=model.target_ids() if maps_vocab else None,
+            draft_rows=args.draft_vocab_size, **tree_options)
 
 
-class MLXArrays:
-    """The array primitives Eagle3Drafting uses, in MLX."""
-
-    @staticmethod
-    def ids(tokens: list[int]) -> mx.array:
-        return mx.array(tokens, dtype=mx.int32)[None]
-
-    argmax = staticmethod(mx.argmax)
-    stack = staticmethod(mx.stack)
-
-    @staticmethod
-    def cat(arrays, axis: int = 0) -> mx.array:
-        return mx.concatenate(arrays, axis=axis)
-
-    @staticmethod
-    def eye(n: int) -> mx.array:
-        return mx.eye(n, dtype=mx.bool_)
-
-    @staticmethod
-    def ones(rows: int, columns: int) -> mx.array:
-        return mx.ones((rows, columns), dtype=mx.bool_)
-
-    @staticmethod
-    def full(n: int, value: int) -> mx.array:
-        return mx.full((n,), value, dtype=mx.int32)
-
-    @staticmethod
-    def top(x: mx.array, k: int) -> mx.array:
-        return mx.argsort(-x)[:k]
-
-    @staticmethod
-    def read(arrays) -> list[list]:
-        mx.eval(arrays)  # the proposal's one host read
-        return [a.tolist() for a in arrays]
-
-
-class Eagle3Drafter(Eagle3Drafting):
+class Eagle3Drafter(Eagle3Drafting, MLXPairedDrafting):
     """EAGLE-3 on MLX: a chain reads nothing back to the host."""
-
-    xp = MLXArrays
-
-    def _cache_length(self) -> int:
-        return self.cache[0].offset
-
-    def _cut(self, n: int) -> None:
-        for c in self.cache:
-            c.trim(n)
-
-    def _draw(self, logits: mx.array, sampling: SamplingConfig):
-        if sampling.greedy:
-            return mx.argmax(logits), None
-        logp = processed_logprobs(logits, sampling)
-        return mx.random.categorical(logp), self._over_target_vocab(mx.exp(logp))
-
-    def _best_children(self, hidden: mx.array, width: int, sampling: SamplingConfig):
-        logits = self.model.logits(hidden).astype(mx.float32)
-        if sampling.greedy:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        else:
-            logprobs = processed_logprobs(logits, sampling)
-        rows = mx.argsort(-logprobs, axis=-1)[:, :width]
-        best = mx.minimum(mx.take_along_axis(logprobs, rows, axis=-1), 0.0)
-        return best, self.hot_ids[rows]
-
-    def _over_target_vocab(self, p: mx.array) -> mx.array:
-        """(draft_vocab,) probabilities -> (target_vocab,), zero outside the draft vocabulary."""
-        if not self.args.uses_draft_vocab and self.model.d2t is None:
-            return p
-        return mx.zeros((self.target_vocab,), dtype=p.dtype).at[self.hot_ids].add(p)
-
-
-def candidate_parents(width: int, expanded: list[list[int]]) -> list[int]:
-    """Each tree candidate's parent, in tree_candidates' numbering (1-based; 0 the pending
-    token): the root's `width` children, then per depth `width` children of each node expanded
-    there, `expanded[d]` giving those nodes' indices among the previous depth's candidates
-    (depth 1 expands every root child)."""
-    parents, frontier, numbered = [0] * width, range(1, width + 1), width
-    for best in expanded:
-        parents += [node for node in frontier for _ in range(width)]
-        frontier = [numbered + 1 + i for i in best]
-        numbered += width * width
-    return parents
-
-
-def best_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]:
-    """Indices of the `budget` candidates of highest score, best first (ties: the one listed
-    first), leaving out those a truncated distribution ruled out (-inf). A candidate's parent
-    (1-based; 0 the root) is listed before it and scores at least as high, so it is kept too."""
-    finite = [i for i, s in enumerate(scores) if s > -math.inf]
-    return sorted(finite, key=lambda i: -scores[i])[:budget]
-
-
-def check_tree_options(budget: int | None, width: int, depth: int) -> tuple[int | None, int]:
-    """DFlash's tree checks, and the depth's; before any weight loads."""
-    check_count("tree_depth", depth)
-    return check_tree(budget, width)
 
 
 def load_eagle3_drafter(path, *, model, tokenizer=None, dtype=None, tree_budget: int | None = None,

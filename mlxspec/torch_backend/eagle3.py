@@ -226,11 +226,11 @@ class TorchEagle3Drafter(Eagle3Drafting):
         logprobs = (torch.log_softmax(logits, dim=-1) if sampling.greedy
                     else processed_logprobs(logits, sampling))
         rows = torch.argsort(logprobs, dim=-1, descending=True, stable=True)[:, :width]
-        return logprobs.gather(-1, rows).clamp_max(0.0), self.hot_ids[rows]
+        return logprobs.gather(-1, rows).clamp_max(0.0), self._target_id(rows)
 
     def _over_target_vocab(self, p: torch.Tensor) -> torch.Tensor:
         """(draft_vocab,) probabilities -> (target_vocab,), zero outside the draft vocabulary."""
-        if not self.args.uses_draft_vocab and self.model.d2t is None:
+        if self.hot_ids is None:
             return p
         return p.new_zeros(self.target_vocab).index_add(0, self.hot_ids, p)
 
