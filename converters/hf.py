@@ -251,6 +251,27 @@ def _fuse_experts(weights: Dict[str, mx.array], num_experts: int) -> Dict[str, m
 
 
 def _model_classes(config: Dict[str, Any]):
+    """mlx-lm's classes for `config`, their sanitize fixed (`_fixed_classes`) and handed no MTP
+    tensors: those are kept apart (models/mtp.py), and mlx-lm's own rule for dropping them does
+    not hold everywhere (deepseek_v3 drops layer 61 only, whatever the model's depth)."""
+    from ..models.mtp import family_of
+
+    model_class, args_class = _fixed_classes(config)
+    family = family_of(config.get("model_type"))
+    if family is None:
+        return model_class, args_class
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+    class WithoutMTP(model_class):
+        def sanitize(self, weights):
+            return super().sanitize(
+                {k: v for k, v in weights.items() if not family.owns(k, text)})
+
+    WithoutMTP.__name__ = WithoutMTP.__qualname__ = model_class.__name__
+    return WithoutMTP, args_class
+
+
+def _fixed_classes(config: Dict[str, Any]):
     """mlx-lm's classes, with sanitize fixed where it cannot tell published names from its own.
 
     mlx-lm's qwen3_next sanitize takes a checkpoint without MoE layers for an
@@ -340,6 +361,25 @@ def _cast(model, dtype: mx.Dtype) -> None:
     model.update(tree_map_with_path(set_dtype, model.parameters()))
 
 
+def _keep_mtp_weights(src: Path, config: Dict[str, Any], out: Path,
+                      dtype: Optional[mx.Dtype]) -> None:
+    """Copy the multi-token-prediction tensors a checkpoint ships (mlx-lm's conversion drops
+    them) to ``mtp.safetensors``, in their published names and convention, for ``--drafter mtp``;
+    a model that ships none gets no file."""
+    from ..models.mtp import MTP_WEIGHTS, mtp_count, read_mtp_tensors
+
+    if mtp_count(config) < 1:
+        return
+    tensors, published = read_mtp_tensors(src, config)
+    if not tensors:
+        return
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+                   for k, v in tensors.items()}
+    mx.save_safetensors(str(out / MTP_WEIGHTS), tensors,
+                        metadata={"format": "pt" if published else "mlx"})
+
+
 def convert_hf(
     source: Union[str, Path],
     out_dir: Union[str, Path],
@@ -384,6 +424,7 @@ def convert_hf(
             model, config = quantize_model(model, config, q_group_size, q_bits)
         tokenizer = load_tokenizer(src, eos_token_ids=config.get("eos_token_id"))
         save_model(tmp, model, donate_model=True)
+        _keep_mtp_weights(src, config, tmp, None if dtype is None else _DTYPES[dtype])
         save_config(config, config_path=tmp / "config.json")
         tokenizer.save_pretrained(str(tmp))
         if (src / "generation_config.json").is_file():

@@ -81,6 +81,16 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names in a safetensors file's header, without reading tensors."""
+    problem = safetensors_problem(path)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return [name for name in header if name != "__metadata__"]
+
+
 def check_safetensors(files: Iterable[Path]) -> None:
     """ValueError for the first truncated or corrupted file, before MLX or torch reads it."""
     for path in files:

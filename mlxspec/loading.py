@@ -108,6 +108,10 @@ def _converted_once(source, name: str, dtype: str) -> Path:
     return out
 
 
+# Where a loaded model came from, kept on it for drafters that read more of its checkpoint (the
+# MTP modules a model ships): an attribute, not a parameter, on either backend.
+SOURCE = "mlxspec_source"
+
 CACHE_FIX = "set MLXSPEC_CACHE to a writable directory"
 
 
@@ -171,7 +175,9 @@ def load(
         device = torch_backend.resolve_device(device)  # a missing CUDA fails before any work
         model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
         check_model_dir(model_dir)
-        return torch_backend.load(model_dir, device=device, dtype=torch_dtype)
+        model, tokenizer = torch_backend.load(model_dir, device=device, dtype=torch_dtype)
+        setattr(model, SOURCE, model_dir)
+        return model, tokenizer
 
     from . import _blas
 
@@ -185,4 +191,5 @@ def load(
     # mlx_lm.load, with the config read as transformers 5 writes it (a Hugging Face directory
     # of a hybrid model loads as it converts); missing or misshapen weights are one line.
     model, config = load_checkpoint(model_dir, lazy=False, action="load")
+    setattr(model, SOURCE, model_dir)
     return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))

@@ -299,3 +299,13 @@ register(DrafterKind(
         shipped_options={"mlx": {"dtype": "target"}},  # stored in bf16 to keep the package small
     ),
 ))
+register(DrafterKind(
+    "mtp",
+    {"mlx": lazy("mlxspec.drafters.mtp", "load_mtp_drafter")},
+    checkpoint=Checkpoint(
+        "the target's own checkpoint directory, with the multi-token-prediction weights it ships",
+        check=lazy("mlxspec.drafters.mtp", "check_mtp_source"),
+        shipped=lazy("mlxspec.drafters.mtp", "source_dir"),
+        shipped_note="a model loaded by mlxspec.load finds its own",
+    ),
+))
