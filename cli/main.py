@@ -83,7 +83,7 @@ def decoding_options(f):
 
 
 def _checkpoint_help(kind) -> str:
-    shipped = " (default: the one shipped for the target)" if kind.checkpoint.shipped else ""
+    shipped = f" (default: {kind.checkpoint.shipped_help})" if kind.checkpoint.shipped else ""
     return kind.checkpoint.what + shipped
 
 
@@ -423,7 +423,13 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
     try:
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         made, built = {}, {}  # one drafter per kind and options, whatever the K
+        skipped = []  # drafters this target cannot run (no MTP modules), with the reason
         for label, (name, own) in labels.items():
+            reason = None if paths.get(registry.drafter_kind(name).model_name) else \
+                registry.why_unavailable(name, target)
+            if reason:
+                skipped.append({"engine": f"mlxspec {label}", "reason": reason})
+                continue
             options = {**_options_for(name, drafter_flags), **own}
             key = (name, tuple(sorted(options.items())))
             if key not in made:
@@ -444,7 +450,7 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
         limit=limit, num_draft=num_draft, mlx_lm_draft_model=lm_draft,
         mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, with_llama_cpp=with_llama_cpp,
         llama_cpp_gguf=llama_cpp_gguf or gguf_file(model), llama_cpp_num_draft=llama_cpp_num_draft,
-        adaptive=adaptive, compare=pairs,
+        adaptive=adaptive, compare=[p for p in pairs if set(p) <= set(built)], skipped=skipped,
         progress=lambda line: click.echo(line, err=True),
     )
     report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"

@@ -174,6 +174,7 @@ def run_benchmark(
     adaptive: bool = True,
     compare: "list[tuple[str, str]]" = (),
     seed: int = 0,
+    skipped: "list[dict]" = (),
     progress=print,
 ) -> dict:
     """`drafters` maps a label to a Drafter (or None for plain decoding); a label "name@K"
@@ -181,14 +182,15 @@ def run_benchmark(
     Peers: mlx-lm on the same model object, llama.cpp on `llama_cpp_gguf` (the same weights'
     GGUF); a peer that cannot run is listed under "skipped" with the reason. Each (a, b) in
     `compare` (two of our labels) adds tau(a) / tau(b) and tok/s(a) / tok/s(b) per suite and T,
-    paired over prompts (mlxspec.intervals)."""
+    paired over prompts (mlxspec.intervals). `skipped` lists runs left out before this call
+    ({"engine", "reason"}: a drafter the target cannot run), reported with the peers'."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
     unknown = [label for pair in compare for label in pair if label not in drafters]
     if unknown:
         raise ValueError(f"cannot compare {unknown}: not among the drafters {list(drafters)}")
-    configs, skipped = [], []
+    configs, skipped = [], list(skipped)
     for name, drafter in drafters.items():
         k = fixed_k(name)
         configs.append(("mlxspec", name, partial(

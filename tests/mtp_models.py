@@ -19,8 +19,12 @@ QWEN_SIZES = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
                   linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
-                  max_position_embeddings=256, full_attention_interval=2, rope_theta=10000.0,
-                  partial_rotary_factor=0.25, tie_word_embeddings=False)
+                  max_position_embeddings=256, full_attention_interval=2,
+                  tie_word_embeddings=False,
+                  # as Qwen3.5 publishes it: interleaved multimodal rope, half of head_dim
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 0],
+                                   "mrope_interleaved": True})
 
 DEEPSEEK_SIZES = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                       moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=4,
@@ -77,6 +81,7 @@ def write_qwen3_5(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     text = dict(model_type="qwen3_5_text", vocab_size=vocab, **QWEN_SIZES,
                 mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    mx.random.seed(seed)  # mlx-lm's own A_log draws, kept: the same files for the same seed
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict({**text, "model_type": "qwen3_5"}))
     _randomize(model, seed, norm_spread=0.0, sharpness=sharpness)
     weights = {}
@@ -108,16 +113,14 @@ def write_qwen3_5(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = True,
     return out
 
 
-def _deepseek_published(name: str, value: mx.array, args) -> dict[str, mx.array]:
+def _deepseek_published(name: str, value: mx.array) -> dict[str, mx.array]:
     """One mlx-lm deepseek_v3 tensor -> its published name(s): experts one by one, MLA's
     kv_b_proj whole (mlx-lm splits it into embed_q and unembed_out)."""
     if ".switch_mlp." in name:
         prefix, rest = name.split(".switch_mlp.")
         return {f"{prefix}.experts.{e}.{rest}": value[e] for e in range(value.shape[0])}
-    if name.endswith("self_attn.embed_q.weight"):
-        return {}
-    if name.endswith("self_attn.unembed_out.weight"):
-        return {}
+    if name.endswith(("self_attn.embed_q.weight", "self_attn.unembed_out.weight")):
+        return {}  # joined back into kv_b_proj by the caller
     return {name: value}
 
 
@@ -143,11 +146,12 @@ def write_deepseek_v3(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = Tru
     config = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                   vocab_size=vocab, num_nextn_predict_layers=1 if mtp else 0, **settings)
     args = deepseek_v3.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
     model = deepseek_v3.Model(args)
     _randomize(model, seed, norm_spread=0.0, sharpness=sharpness)
     weights = {}
     for name, value in tree_flatten(model.parameters()):
-        weights.update(_deepseek_published(name, value, args))
+        weights.update(_deepseek_published(name, value))
     for i, layer in enumerate(model.model.layers):
         weights[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = _kv_b_proj(layer.self_attn)
     if mtp:
@@ -156,7 +160,7 @@ def write_deepseek_v3(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = Tru
         _randomize(layer, seed + 1)
         prefix = f"model.layers.{n}."
         for name, value in tree_flatten(layer.parameters()):
-            weights.update(_deepseek_published(prefix + name, value, args))
+            weights.update(_deepseek_published(prefix + name, value))
         weights[prefix + "self_attn.kv_b_proj.weight"] = _kv_b_proj(layer.self_attn)
         h = settings["hidden_size"]
         mx.random.seed(seed + 2)

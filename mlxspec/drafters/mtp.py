@@ -75,6 +75,19 @@ def source_dir(model) -> Path | None:
     return getattr(model, SOURCE, None)
 
 
+def why_unavailable(model) -> str | None:
+    """Why `model` has no MTP modules to draft with, in check_mtp_source's words; None when it
+    has them, or when it was not loaded from a directory (an explicit path may still come)."""
+    path = source_dir(model)
+    if path is None:
+        return None
+    try:
+        check_mtp_source(path, model)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def read_model_config(path) -> dict:
     return read_json_object(Path(path) / "config.json")
 

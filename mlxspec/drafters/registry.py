@@ -55,6 +55,7 @@ class Checkpoint:
     # The checkpoint mlxspec ships for this target, used when none is given: model -> path | None.
     shipped: Callable[[Any], Any] | None = None
     shipped_note: str = ""  # added to the message when nothing ships for the target
+    shipped_help: str = "the one shipped for the target"  # --help's "(default: ...)"
     shipped_options: Mapping[str, dict] = field(default_factory=dict)  # per backend
 
 
@@ -67,6 +68,9 @@ class DrafterKind:
     options: tuple[DrafterOption, ...] = ()
     checkpoint: Checkpoint | None = None  # None: the drafter loads no files
     base: str | None = None  # a derived "X+lookup" form: X, whose checkpoint it loads
+    # Why the drafter cannot run on a target (model -> reason, or None when it can), for a
+    # drafter that needs what only some targets have (MTP modules): bench skips it, saying why.
+    unavailable: Callable[[Any], str | None] | None = None
 
     @property
     def model_name(self) -> str:
@@ -177,6 +181,12 @@ def parse_label(label: str) -> tuple[str, dict]:
         if problem:
             raise ValueError(f"{option.flag_for(options[option.name])} {problem}")
     return name, options
+
+
+def why_unavailable(name: str, model) -> str | None:
+    """Why drafter `name` cannot run on target `model` (None when it can, or cannot tell)."""
+    kind = drafter_kind(name)
+    return kind.unavailable(model) if kind.unavailable is not None else None
 
 
 def takers(option: DrafterOption) -> list[str]:
@@ -307,5 +317,7 @@ register(DrafterKind(
         check=lazy("mlxspec.drafters.mtp", "check_mtp_source"),
         shipped=lazy("mlxspec.drafters.mtp", "source_dir"),
         shipped_note="a model loaded by mlxspec.load finds its own",
+        shipped_help="the directory the target was loaded from",
     ),
+    unavailable=lazy("mlxspec.drafters.mtp", "why_unavailable"),
 ))
