@@ -50,7 +50,9 @@ class _TreeView:
         return getattr(self._cache, name)
 
 
-class _TreeRoPE:
+class TreeRoPE:
+    """An attention's RoPE rotating token i at offset + depth[i] (a tree node at its depth)."""
+
     def __init__(self, rope, depth: mx.array):
         self.rope, self.depth = rope, depth
 
@@ -76,7 +78,7 @@ def tree_pass(attentions: list, cache: list, shape: TreeShape):
     mask = mx.concatenate([mx.ones((shape.size + 1, offset), dtype=mx.bool_),
                            ancestor_mask(shape)], axis=1)
     depth = mx.array(shape.depth, dtype=mx.int32)
-    with instance_attributes([(a, "rope", _TreeRoPE(a["rope"], depth)) for a in attentions]):
+    with instance_attributes([(a, "rope", TreeRoPE(a["rope"], depth)) for a in attentions]):
         yield [_TreeView(c, mask) for c in cache]
 
 

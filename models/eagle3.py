@@ -26,7 +26,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from ..tree_pass import _TreeRoPE
+from ..tree_pass import TreeRoPE
 from .dflash import rope_for
 
 LAYOUTS = ("speculators", "specforge")
@@ -395,7 +395,7 @@ class Eagle3Model(nn.Module):
             rope, offset = self.rope, c.offset + 1  # pair i embeds token i+1
             mask = create_attention_mask(h, c)
         else:  # the L entries rotated as L one-position sequences, one position each
-            rope, offset = _TreeRoPE(self.rope, positions), 0
+            rope, offset = TreeRoPE(self.rope, positions), 0
         return self.layers[0](embeds, h, rope, mask, c, offset)
 
     def logits(self, hidden: mx.array) -> mx.array:

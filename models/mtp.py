@@ -30,6 +30,9 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from ..hidden_states import instance_attributes
+from ..tree_pass import TreeRoPE, attention_modules
+
 MTP_WEIGHTS = "mtp.safetensors"  # a converted model's MTP tensors, as published
 
 
@@ -119,11 +122,14 @@ class MTPModule(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.hidden_first = hidden_first
 
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list) -> mx.array:
-        """(1, L, H) each -> the last layer's output (1, L, H), before the final norm."""
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list,
+                 mask: mx.array | None = None) -> mx.array:
+        """(1, L, H) each -> the last layer's output (1, L, H), before the final norm; `mask`
+        (L, cached + L) bool replaces the causal one (a tree's ancestors)."""
         e, h = self.norm_embedding(embeddings), self.norm_hidden(hidden)
         x = self.fc(mx.concatenate([h, e] if self.hidden_first else [e, h], axis=-1))
-        mask = create_attention_mask(x, cache[0], return_array=True)
+        if mask is None:
+            mask = create_attention_mask(x, cache[0], return_array=True)
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask, cache=c)
         return x
@@ -133,10 +139,11 @@ class MTPModel(nn.Module):
     """A target's MTP modules with the target parts they use: its embedding, its final norm
     (the hidden fed to module 1 is the target's normed last layer) and its output head.
 
-    Pairs are called as mlxspec.drafters.paired's drafters call a model: `project(features)`
-    turns captured last-layer outputs into module 1's input, `module(i)(ids, hidden, cache)`
-    runs one module, `logits(x, i)` ranks from module i's output, `chained(x, i)` is what the
-    next depth reads."""
+    `project(features)` turns captured last-layer outputs into module 1's input, `run(i, ids,
+    hidden, cache)` runs module i, `logits(x, i)` ranks from module i's output x (before its
+    final norm), `chained(x, i)` is what the next depth reads. Called as a whole, it is what
+    mlxspec.drafters.paired's tree expansion calls a drafter: module 1 on the chained form of
+    a previous output, at given positions under a given mask."""
 
     def __init__(self, modules: list[MTPModule], *, embed, head: Callable, final_norm,
                  chain_after_norm: bool):
@@ -155,6 +162,23 @@ class MTPModel(nn.Module):
     def run(self, index: int, ids: mx.array, hidden: mx.array, cache: list) -> mx.array:
         module = self.mtp[index]
         return module(self._target_parts[0](ids), hidden, cache[index])
+
+    def __call__(self, ids: mx.array, previous: mx.array, cache: list, *,
+                 mask: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
+        """Module 1 on (ids, its own earlier outputs `previous`), (1, L) and (1, L, H): each
+        token at `positions` (L,) when given (the embedded token's position, as
+        mlxspec.drafters.paired counts), seeing what `mask` (L, cached + L) allows."""
+        hidden = self.chained(previous, 0)
+        if positions is None:
+            return self.run(0, ids, hidden, cache)
+        if not hasattr(self, "_attentions"):
+            object.__setattr__(self, "_attentions", attention_modules(self.mtp[0]))
+        # A pair (h_p, t_{p+1}) sits at RoPE position p, mlx-vlm's and mtplx's convention (the
+        # cache's offset for a chain): one before its token's.
+        shift = positions - 1 - cache[0][0].offset
+        ropes = [(a, "rope", TreeRoPE(a["rope"], shift)) for a in self._attentions]
+        with instance_attributes(ropes):
+            return self.mtp[0](self._target_parts[0](ids), hidden, cache[0], mask=mask)
 
     def logits(self, x: mx.array, index: int = 0) -> mx.array:
         return self._target_parts[1](self.mtp[index].norm(x))

@@ -72,14 +72,15 @@ _QWEN_ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weig
 
 
 def write_qwen3_5(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = True,
-                  tokenizer_dir=None, sharpness: float = 1.0) -> Path:
+                  tokenizer_dir=None, sharpness: float = 1.0, **sizes) -> Path:
     """A tiny dense Qwen3.5 (Gated DeltaNet + attention) as Qwen publishes it, with one MTP
-    module of one full-attention layer (15 `mtp.*` tensors) unless `mtp` is False."""
+    module of one full-attention layer (15 `mtp.*` tensors) unless `mtp` is False; `sizes`
+    override QWEN_SIZES."""
     from mlx_lm.models import qwen3_5
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    text = dict(model_type="qwen3_5_text", vocab_size=vocab, **QWEN_SIZES,
+    text = dict(model_type="qwen3_5_text", vocab_size=vocab, **{**QWEN_SIZES, **sizes},
                 mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
     mx.random.seed(seed)  # mlx-lm's own A_log draws, kept: the same files for the same seed
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict({**text, "model_type": "qwen3_5"}))
@@ -97,7 +98,7 @@ def write_qwen3_5(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = True,
         _randomize(layer, seed + 1)
         for name, value in tree_flatten(layer.parameters()):
             weights[f"mtp.layers.0.{name}"] = value
-        h = QWEN_SIZES["hidden_size"]
+        h = text["hidden_size"]
         mx.random.seed(seed + 2)
         weights["mtp.fc.weight"] = mx.random.normal((h, 2 * h)) / (2 * h) ** 0.5
         for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):

@@ -226,3 +226,49 @@ def test_shipped_multi_module_checkpoints_cycle_their_modules(tmp_path, smollm_d
     out, stats = run(model, drafter, prompt, 30, num_draft=3)
     assert out == plain(model, prompt, 30) and stats.drafted > 0
     shutil.rmtree(path)
+
+
+# ---- Trees: EAGLE-2's dynamic tree grown by module 1 --------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temp=0.7)], ids=["greedy", "temp"])
+def test_every_tree_candidate_scores_its_path_as_a_chain_does(tmp_path, family, sampling):
+    """Each candidate's score (its path's log-probability, computed depth by depth for many
+    nodes at once) equals a chain run down the same path: each tree entry saw only its
+    ancestors, at its depth's RoPE position, through mlx-lm's own attention (MLA for
+    DeepSeek)."""
+    from mlxspec.sampling import processed_logprobs
+
+    path = WRITERS[family](tmp_path / family, vocab=16, seed=5, sharpness=2.0)
+    model, _ = load_checkpoint(path, lazy=False, action="load")
+    tokens = [1, 5, 3, 7, 2, 9, 4, 12, 5, 3]
+    drafter = load_mtp_drafter(path, model=model, tree_budget=16, tree_width=3)
+    drafter.begin(tokens, MLXTarget(model, capture_layers=drafter.capture_layers).prefill(tokens))
+    scores, ids, parents = drafter.tree_candidates(tokens, 16, sampling)
+    assert len(scores) == 3 + 5 * 9
+    for c in range(len(scores)):
+        chain, node = [], c + 1
+        while node:
+            chain.insert(0, ids[node - 1])
+            node = parents[node - 1]
+        steps = drafter.chain_logits(tokens, len(chain), draft_ids=chain[:-1])
+        total = 0.0
+        for logits, t in zip(steps, chain):
+            logits = logits.astype(mx.float32)
+            lp = logits - mx.logsumexp(logits) if sampling.greedy else \
+                processed_logprobs(logits, sampling)
+            total += lp[t].item()
+        assert abs(scores[c] - total) < 1e-4, (c, chain)
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+def test_greedy_tree_output_is_the_targets(tmp_path, family):
+    """DeepSeek's KV caches hold trees; Qwen3.5's recurrent layers do not, so its trees are
+    verified as their first chain (counted), still losslessly."""
+    model, _ = small_target(tmp_path, family)
+    drafter = load_mtp_drafter(tmp_path / family, model=model, tree_budget=8, tree_width=3)
+    prompt = [1, 5, 3, 7, 2, 9, 4, 12, 5, 3]
+    out, stats = run(model, drafter, prompt, 30, num_draft=8)
+    assert out == plain(model, prompt, 30) and stats.drafted > 0
+    assert (stats.chain_fallback_steps > 0) == (family == "qwen3_5")

@@ -25,7 +25,7 @@ from ..models.mtp import (
     read_mtp_tensors,
     text_config,
 )
-from .paired import MLXPairedDrafting, PairedDrafting
+from .paired import MLXPairedDrafting, PairedDrafting, check_tree_options
 
 
 
@@ -36,10 +36,11 @@ class MTPDrafting(PairedDrafting):
 
     name = "mtp"
 
-    def __init__(self, model, *, num_target_layers: int, hidden_size: int, target_vocab: int):
+    def __init__(self, model, *, num_target_layers: int, hidden_size: int, target_vocab: int,
+                 **tree_options):
         super().__init__(model, capture_layers=(num_target_layers - 1,),
                          feature_width=hidden_size, target_vocab=target_vocab,
-                         default_num_draft=3)
+                         default_num_draft=3, **tree_options)
         self.num_modules = len(model.mtp)
 
     def _extend(self, ids, features):
@@ -123,11 +124,16 @@ def _shard_keys(path: Path) -> list[str]:
     return [k for shard in sorted(path.glob("*.safetensors")) for k in safetensors_names(shard)]
 
 
-def load_mtp_drafter(path, *, model, tokenizer=None) -> MTPDrafter:
+def load_mtp_drafter(path, *, model, tokenizer=None, tree_budget: int | None = None,
+                     tree_width: int = 4, tree_depth: int = 6) -> MTPDrafter:
     """The MTP drafter of mlx-lm target `model` from its checkpoint directory `path` (by default
     the directory mlxspec.load read it from): the modules declared by its config, with the
     weights kept by `mlxspec convert` or inside a Hugging Face checkpoint. `tokenizer` is
-    accepted for symmetry with other drafters."""
+    accepted for symmetry with other drafters. `tree_budget`: EAGLE-2's dynamic tree of up to
+    this many nodes (`tree_width` children per node, `tree_depth` levels) grown by module 1,
+    instead of a chain."""
+    tree_options = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=tree_depth)
+    check_tree_options(tree_budget, tree_width, tree_depth)
     path = Path(path)
     check_mtp_source(path, model)
     config = read_model_config(path)
@@ -136,7 +142,7 @@ def load_mtp_drafter(path, *, model, tokenizer=None) -> MTPDrafter:
     settings = text_config(config)
     return MTPDrafter(mtp, num_target_layers=len(decoder_layers(model)),
                       hidden_size=int(settings["hidden_size"]),
-                      target_vocab=int(settings["vocab_size"]))
+                      target_vocab=int(settings["vocab_size"]), **tree_options)
 
 
 __all__ = ["MTPDrafter", "MTPDrafting", "check_mtp_source", "load_mtp_drafter"]

@@ -249,13 +249,13 @@ def shipped(kind: str) -> Callable[[Any], Any]:
 TREE_BUDGET = DrafterOption(
     "tree_budget", "--tree-budget", type=int, minimum=1,
     help="Draft a tree of up to N nodes each step, verified in one pass, instead of a chain "
-         "(DFlash: DDTree, grown best-first from each block slot's best tokens; EAGLE-3: "
-         "EAGLE-2's dynamic tree); the budget used is chosen by measured throughput.")
+         "(DFlash: DDTree, grown best-first from each block slot's best tokens; EAGLE-3 and "
+         "MTP: EAGLE-2's dynamic tree); the budget used is chosen by measured throughput.")
 TREE_WIDTH = DrafterOption(
     "tree_width", "--tree-width", type=int, default=4, minimum=1,
     help="With --tree-budget: the most children a tree node may have (DFlash: the best tokens "
-         "of each block slot; EAGLE-3: each expanded node's best tokens, and nodes expanded per "
-         "depth).")
+         "of each block slot; EAGLE-3, MTP: each expanded node's best tokens, and nodes "
+         "expanded per depth).")
 
 register(DrafterKind("none", host_only(PlainDecoding)))
 register(DrafterKind(
@@ -312,6 +312,7 @@ register(DrafterKind(
 register(DrafterKind(
     "mtp",
     {"mlx": lazy("mlxspec.drafters.mtp", "load_mtp_drafter")},
+    options=(TREE_BUDGET, TREE_WIDTH),
     checkpoint=Checkpoint(
         "the target's own checkpoint directory, with the multi-token-prediction weights it ships",
         check=lazy("mlxspec.drafters.mtp", "check_mtp_source"),
