@@ -69,7 +69,7 @@ class Family:
 
 
 # The module's own names for the three parts around its layers, per family.
-_PARTS = {
+PARTS = {
     "qwen": {"fc": "fc", "pre_fc_norm_embedding": "norm_embedding",
              "pre_fc_norm_hidden": "norm_hidden", "norm": "norm"},
     "deepseek": {"eh_proj": "fc", "enorm": "norm_embedding", "hnorm": "norm_hidden",
@@ -79,7 +79,7 @@ _PARTS = {
 }
 # Copies of the target's own tensors that a module ships (DeepSeek: "embed_tokens / shared_head
 # share parameters with the main model"): the target's are used, as transformers does.
-_TARGET_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+TARGET_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 FAMILIES = (
     Family("qwen", ("qwen3_next", "qwen3_5", "qwen3_5_moe"), "mtp_num_hidden_layers",
@@ -257,10 +257,10 @@ def _module_weights(family: Family, tensors: dict[str, mx.array], prefix: str, m
                     offset: bool) -> dict[str, mx.array]:
     """One module's published tensors (under `prefix`) -> MTPModule names."""
     own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    parts = _PARTS[family.name]
+    parts = PARTS[family.name]
     out, block = {}, {}
     for key, value in own.items():
-        if key in _TARGET_COPIES:
+        if key in TARGET_COPIES:
             continue
         part = next((p for p in parts if key == f"{p}.weight"), None)
         if part is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..file_checks import read_json_object, safetensors_names
 from ..hidden_states import decoder_layers
-from ..loading import SOURCE
+from ..loading import SOURCE, backend_of
 from ..models.mtp import (
     MTP_WEIGHTS,
     SHIPPING,
@@ -27,6 +27,11 @@ from ..models.mtp import (
 )
 from .paired import MLXPairedDrafting, PairedDrafting, check_tree_options
 
+
+
+# Model types whose MTP layout the torch backend builds (torch_backend/mtp.py): DeepSeek-V3's,
+# which GLM-4.5 ships too. transformers has no MTP for the Qwen families or MiMo.
+TORCH_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 
 
 class MTPDrafting(PairedDrafting):
@@ -104,6 +109,10 @@ def check_mtp_source(path, model) -> None:
         raise ValueError(
             f"the mtp drafter needs a target that ships multi-token-prediction layers "
             f"({SHIPPING}); {path} is a {model_type} model, which has none")
+    if backend_of(model) == "torch" and model_type not in TORCH_MODEL_TYPES:
+        raise ValueError(
+            f"the torch backend's mtp drafter covers {', '.join(TORCH_MODEL_TYPES)} (DeepSeek-V3, "
+            f"GLM-4.5); {path} is a {model_type} model: use the MLX backend")
     if mtp_count(config) < 1:
         raise ValueError(
             f"{path}/config.json declares no MTP layers ({family.count_key} is "

@@ -311,7 +311,8 @@ register(DrafterKind(
 ))
 register(DrafterKind(
     "mtp",
-    {"mlx": lazy("mlxspec.drafters.mtp", "load_mtp_drafter")},
+    {"mlx": lazy("mlxspec.drafters.mtp", "load_mtp_drafter"),
+     "torch": lazy("mlxspec.torch_backend.mtp", "load_mtp_drafter")},
     options=(TREE_BUDGET, TREE_WIDTH),
     checkpoint=Checkpoint(
         "the target's own checkpoint directory, with the multi-token-prediction weights it ships",

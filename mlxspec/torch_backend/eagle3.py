@@ -32,6 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from ..drafters.eagle3 import Eagle3Drafting, check_tree_options
 from ..drafters.eagle3_loading import read_checkpoint, sizes_of, use_target_parts
+from ..drafters.paired import PairedDrafting
 from ..models.eagle3 import Eagle3Config
 from ..sampling import SamplingConfig
 from .dflash import _WeightHead, block_mask, read_weights
@@ -194,20 +195,21 @@ class TorchArrays:
         return [t.tolist() for t in tensors]  # the first waits for the proposal; the rest copy
 
 
-class TorchEagle3Drafter(Eagle3Drafting):
-    """Eagle3Drafting with torch's tensor math, under inference mode, on the model's device."""
+class TorchPairedDrafting(PairedDrafting):
+    """PairedDrafting's tensor math in torch (drafters.paired.MLXPairedDrafting's twin), under
+    inference mode, on the model's device: shared by the EAGLE-3 and the MTP drafter."""
 
     backend = "torch"
 
-    def __init__(self, model: Eagle3Model, **options):
-        self.xp = TorchArrays(model.fc.weight.device)
+    def __init__(self, model, **options):
+        self.xp = TorchArrays(model_device(model))
         super().__init__(model, **options)
 
-    begin = torch.inference_mode()(Eagle3Drafting.begin)
-    commit = torch.inference_mode()(Eagle3Drafting.commit)
-    propose = torch.inference_mode()(Eagle3Drafting.propose)
-    chain_logits = torch.inference_mode()(Eagle3Drafting.chain_logits)
-    tree_candidates = torch.inference_mode()(Eagle3Drafting.tree_candidates)
+    begin = torch.inference_mode()(PairedDrafting.begin)
+    commit = torch.inference_mode()(PairedDrafting.commit)
+    propose = torch.inference_mode()(PairedDrafting.propose)
+    chain_logits = torch.inference_mode()(PairedDrafting.chain_logits)
+    tree_candidates = torch.inference_mode()(PairedDrafting.tree_candidates)
 
     def _cache_length(self) -> int:
         return cache_length(self.cache)
@@ -233,6 +235,10 @@ class TorchEagle3Drafter(Eagle3Drafting):
         if self.hot_ids is None:
             return p
         return p.new_zeros(self.target_vocab).index_add(0, self.hot_ids, p)
+
+
+class TorchEagle3Drafter(Eagle3Drafting, TorchPairedDrafting):
+    """Eagle3Drafting with torch's tensor math."""
 
 
 def _meta_model(args: Eagle3Config, own_embed: bool, own_head: bool):
