@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from ..file_checks import one_line
 from ..hidden_states import instance_attributes
 from ..tree_pass import TreeRoPE, attention_modules
 
@@ -319,7 +320,7 @@ def build_mtp_model(model, config: dict, tensors: dict[str, mx.array], *,
     try:
         mtp.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
-        raise ValueError(f"the MTP weights do not fit the target: {err}") from None
+        raise ValueError(f"the MTP weights do not fit the target: {one_line(err)}") from None
     mx.eval(mtp.parameters())
     return mtp
 
