@@ -186,6 +186,21 @@ def test_bench_skips_mtp_on_a_target_without_modules_and_says_why(tmp_path):
     assert "Skipped: mlxspec mtp" in result.output
 
 
+def test_bench_runs_mtp_beside_plain_on_a_target_with_modules(hf_dir, tmp_path):
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(hf_dir), "--drafters", "none,mtp,mtp@2", "--suite", "humaneval",
+        "--limit", "1", "--max-tokens", "6", "--temp", "0,1", "--no-mlx-lm", "--no-llama-cpp",
+        "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    rows = [(r["drafter"], r["temp"]) for r in report["results"]]
+    assert rows == [(d, t) for t in (0.0, 1.0) for d in ("none", "mtp", "mtp@2")]
+    greedy = {r["tokens"] for r in report["results"] if r["temp"] == 0}
+    assert len(greedy) == 1 and greedy.pop() > 0  # the same tokens, drafted or not
+    assert not [s for s in report["skipped"] if s["engine"].startswith("mlxspec")]
+
+
 def test_converting_keeps_the_published_tensors(hf_dir, tmp_path):
     """mtp.safetensors holds the checkpoint's MTP tensors unchanged (names and values), and
     model.safetensors none of them."""
@@ -272,3 +287,16 @@ def test_greedy_tree_output_is_the_targets(tmp_path, family):
     out, stats = run(model, drafter, prompt, 30, num_draft=8)
     assert out == plain(model, prompt, 30) and stats.drafted > 0
     assert (stats.chain_fallback_steps > 0) == (family == "qwen3_5")
+
+
+def test_chat_turns_with_mtp_reply_as_plain(hf_dir):
+    """Two chat turns: the modules' caches start afresh each turn from the target's features of
+    the whole conversation, and every reply is plain decoding's."""
+    turns = "one two three\nfour five six one two\n/quit\n"
+    replies = {}
+    for drafter in ("none", "mtp"):
+        result = CliRunner().invoke(main, ["chat", "--model", str(hf_dir), "--max-tokens", "12",
+                                           "--drafter", drafter], input=turns)
+        assert result.exit_code == 0, result.output
+        replies[drafter] = result.stdout
+    assert replies["mtp"] == replies["none"] and replies["none"].count(">> ") == 3
