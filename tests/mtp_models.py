@@ -114,15 +114,31 @@ def write_qwen3_5(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = True,
     return out
 
 
+def unstacked(name: str, value: mx.array) -> dict[str, mx.array]:
+    """mlx-lm's stacked experts (switch_mlp) one by one, as checkpoints store them."""
+    if ".switch_mlp." not in name:
+        return {name: value}
+    prefix, rest = name.split(".switch_mlp.")
+    return {f"{prefix}.experts.{e}.{rest}": value[e] for e in range(value.shape[0])}
+
+
 def _deepseek_published(name: str, value: mx.array) -> dict[str, mx.array]:
     """One mlx-lm deepseek_v3 tensor -> its published name(s): experts one by one, MLA's
     kv_b_proj whole (mlx-lm splits it into embed_q and unembed_out)."""
-    if ".switch_mlp." in name:
-        prefix, rest = name.split(".switch_mlp.")
-        return {f"{prefix}.experts.{e}.{rest}": value[e] for e in range(value.shape[0])}
     if name.endswith(("self_attn.embed_q.weight", "self_attn.unembed_out.weight")):
         return {}  # joined back into kv_b_proj by the caller
-    return {name: value}
+    return unstacked(name, value)
+
+
+def _v3_module_parts(weights: dict, prefix: str, hidden: int, seed: int) -> None:
+    """A DeepSeek-layout module's own tensors around its layer: eh_proj, the three norms drawn
+    away from 1, and the copies of the target's head and embedding it ships."""
+    mx.random.seed(seed)
+    weights[prefix + "eh_proj.weight"] = mx.random.normal((hidden, 2 * hidden)) / (2 * hidden) ** 0.5
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        weights[prefix + f"{name}.weight"] = 1.0 + 0.3 * mx.random.normal((hidden,))
+    weights[prefix + "shared_head.head.weight"] = weights["lm_head.weight"]
+    weights[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
 
 
 def _kv_b_proj(attention) -> mx.array:
@@ -163,14 +179,43 @@ def write_deepseek_v3(out, *, vocab: int = 49152, seed: int = 0, mtp: bool = Tru
         for name, value in tree_flatten(layer.parameters()):
             weights.update(_deepseek_published(prefix + name, value))
         weights[prefix + "self_attn.kv_b_proj.weight"] = _kv_b_proj(layer.self_attn)
-        h = settings["hidden_size"]
-        mx.random.seed(seed + 2)
-        weights[prefix + "eh_proj.weight"] = mx.random.normal((h, 2 * h)) / (2 * h) ** 0.5
-        for name in ("enorm", "hnorm", "shared_head.norm"):
-            weights[prefix + f"{name}.weight"] = 1.0 + 0.3 * mx.random.normal((h,))
-        weights[prefix + "shared_head.head.weight"] = weights["lm_head.weight"]
-        weights[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        _v3_module_parts(weights, prefix, settings["hidden_size"], seed + 2)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+GLM_SIZES = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                 moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                 routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True,
+                 first_k_dense_replace=1, max_position_embeddings=256, rms_norm_eps=1e-6,
+                 rope_theta=10000.0, rope_scaling=None, use_qk_norm=True, attention_bias=True,
+                 partial_rotary_factor=0.5, tie_word_embeddings=False)
+
+
+def write_glm4_moe(out, *, vocab: int, seed: int = 0, sharpness: float = 1.0) -> Path:
+    """A tiny GLM-4.5 (GQA with q/k norms and biases, partial rotary; layer 1 MoE) with its MTP
+    module at `model.layers.2`, laid out as DeepSeek-V3's."""
+    from mlx_lm.models import glm4_moe
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=vocab,
+                  num_nextn_predict_layers=1, **GLM_SIZES)
+    args = glm4_moe.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+    model, layer = glm4_moe.Model(args), glm4_moe.DecoderLayer(args, args.num_hidden_layers)
+    _randomize(model, seed, norm_spread=0.0, sharpness=sharpness)
+    _randomize(layer, seed + 1)
+    prefix = f"model.layers.{args.num_hidden_layers}."
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        weights.update(unstacked(name, value))
+    for name, value in tree_flatten(layer.parameters()):
+        weights.update(unstacked(prefix + name, value))
+    _v3_module_parts(weights, prefix, args.hidden_size, seed + 2)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

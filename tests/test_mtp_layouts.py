@@ -9,7 +9,7 @@ losslessly with its two modules cycling."""
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mtp_models import _randomize
+from mtp_models import GLM_SIZES, _randomize, unstacked
 
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.engine import SpecStats, speculative_tokens
@@ -31,19 +31,15 @@ def published_experts(layer: dict, fused: bool) -> dict:
     """mlx-lm's stacked switch_mlp -> one tensor per expert, or Qwen's fused gate_up_proj."""
     out = {}
     for name, value in layer.items():
-        if ".switch_mlp." not in name:
-            out[name] = value
+        if not fused or ".switch_mlp." not in name:
+            out.update(unstacked(name, value))
             continue
         prefix, rest = name.split(".switch_mlp.")
-        if fused:
-            if rest.startswith("gate_proj"):
-                up = layer[name.replace("gate_proj", "up_proj")]
-                out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([value, up], axis=-2)
-            elif rest.startswith("down_proj"):
-                out[f"{prefix}.experts.down_proj"] = value
-        else:
-            for e in range(value.shape[0]):
-                out[f"{prefix}.experts.{e}.{rest}"] = value[e]
+        if rest.startswith("gate_proj"):
+            up = layer[name.replace("gate_proj", "up_proj")]
+            out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([value, up], axis=-2)
+        elif rest.startswith("down_proj"):
+            out[f"{prefix}.experts.down_proj"] = value
     return out
 
 
@@ -96,11 +92,7 @@ def qwen_case(model_type: str, fused: bool):
 def glm_case():
     from mlx_lm.models import glm4_moe
 
-    settings = dict(SMALL, moe_intermediate_size=16, norm_topk_prob=True, n_group=1, head_dim=8,
-                    topk_group=1, n_shared_experts=1, n_routed_experts=4,
-                    routed_scaling_factor=1.0, num_experts_per_tok=2, first_k_dense_replace=1,
-                    rope_theta=1e4, rope_scaling=None, use_qk_norm=True, attention_bias=True,
-                    partial_rotary_factor=0.5)
+    settings = dict(GLM_SIZES, vocab_size=VOCAB)
     args = glm4_moe.ModelArgs(model_type="glm4_moe", **settings)
     model = glm4_moe.Model(args)
     layer = glm4_moe.DecoderLayer(args, args.num_hidden_layers)

@@ -19,14 +19,11 @@ by 1.3e-5 against MLX; asserted 1e-4. Ours chained before the norm (DeepSeek's h
 default) differs from transformers' depth 2 by about 1.1.
 """
 
-import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-from mtp_models import _randomize, write_deepseek_v3, write_qwen3_5
+from mtp_models import write_deepseek_v3, write_glm4_moe, write_qwen3_5
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install .[reference])")
 transformers = pytest.importorskip("transformers", reason="the torch backend needs transformers")
@@ -63,52 +60,6 @@ def deepseek(smollm_dir, tmp_path_factory):
     path = write_deepseek_v3(tmp_path_factory.mktemp("deepseek"), seed=3,
                              tokenizer_dir=smollm_dir)
     return path, mlxspec.load(path), mlxspec.load(path, backend="torch")
-
-
-GLM_SIZES = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                 moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=8, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
-                 routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True,
-                 first_k_dense_replace=1, max_position_embeddings=256, rms_norm_eps=1e-6,
-                 rope_theta=10000.0, rope_scaling=None, use_qk_norm=True, attention_bias=True,
-                 partial_rotary_factor=0.5, tie_word_embeddings=False)
-
-
-def _published(name: str, value: mx.array) -> dict[str, mx.array]:
-    """mlx-lm's stacked experts (switch_mlp) one by one, as checkpoints store them."""
-    if ".switch_mlp." not in name:
-        return {name: value}
-    prefix, rest = name.split(".switch_mlp.")
-    return {f"{prefix}.experts.{e}.{rest}": value[e] for e in range(value.shape[0])}
-
-
-def write_glm4_moe(out: Path, *, vocab: int, seed: int = 0, sharpness: float = 1.0) -> Path:
-    """A tiny GLM-4.5 (GQA with q/k norms and biases, partial rotary; layer 1 MoE) with its MTP
-    module at `model.layers.2`, laid out as DeepSeek-V3's (tests/mtp_models.py)."""
-    from mlx_lm.models import glm4_moe
-
-    out.mkdir(parents=True, exist_ok=True)
-    config = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=vocab,
-                  num_nextn_predict_layers=1, **GLM_SIZES)
-    args = glm4_moe.ModelArgs.from_dict(config)
-    model, layer = glm4_moe.Model(args), glm4_moe.DecoderLayer(args, args.num_hidden_layers)
-    _randomize(model, seed, norm_spread=0.0, sharpness=sharpness)
-    _randomize(layer, seed + 1)
-    prefix, h = f"model.layers.{args.num_hidden_layers}.", args.hidden_size
-    weights = {}
-    for name, value in tree_flatten(model.parameters()):
-        weights.update(_published(name, value))
-    for name, value in tree_flatten(layer.parameters()):
-        weights.update(_published(prefix + name, value))
-    mx.random.seed(seed + 2)
-    weights[prefix + "eh_proj.weight"] = mx.random.normal((h, 2 * h)) / (2 * h) ** 0.5
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        weights[prefix + f"{name}.weight"] = 1.0 + 0.3 * mx.random.normal((h,))
-    weights[prefix + "shared_head.head.weight"] = weights["lm_head.weight"]
-    weights[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 WRITERS = {"deepseek_v3": write_deepseek_v3, "glm4_moe": write_glm4_moe}
