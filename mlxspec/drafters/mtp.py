@@ -6,12 +6,13 @@ committed position are kept in each module's KV cache (drafters/paired.py's book
 with EAGLE-3), so draft 1 costs only the output head; draft j+1 runs module j mod n (n shipped:
 a single module is reused for every depth, as DeepSeek's and mtplx's serving do) on (draft j,
 the previous depth's hidden) at the next position. Chain entries are cut after verification and
-the committed pairs appended with the target's verified hidden states. Sampled drafts report the
+the committed pairs appended with the target's verified hidden states, to every module (a
+second module's own input at a committed position would be the first's output there; like
+mtplx, each module is fed the target's instead, one pass per module per step). Sampled drafts report the
 module's processed distribution as p, so acceptance is the exact min(1, q/p) rule.
 """
 
 from pathlib import Path
-
 
 from ..file_checks import read_json_object, safetensors_names
 from ..hidden_states import decoder_layers
@@ -26,8 +27,6 @@ from ..models.mtp import (
     text_config,
 )
 from .paired import MLXPairedDrafting, PairedDrafting, check_tree_options
-
-
 
 # Model types whose MTP layout the torch backend builds (torch_backend/mtp.py): DeepSeek-V3's,
 # which GLM-4.5 ships too. transformers has no MTP for the Qwen families or MiMo.
