@@ -272,3 +272,35 @@ def test_families_and_checkpoints_refused_in_one_line(deepseek, tmp_path):
     del tensors["model.layers.2.eh_proj.weight"]
     with pytest.raises(ValueError, match=r"^the MTP weights do not fit .*mtp\.0\.fc\.weight"):
         build_mtp_model(model, config, tensors)
+
+
+def test_sampled_output_follows_the_targets_distribution(tmp_path):
+    """Drafts drawn from the torch module's distribution p, accepted by the torch rule: the
+    samples follow the target's q exactly (chi-squared over every sequence; q from the MLX
+    twin, the same weights), so the p the drafter reports is the one it drew from."""
+    from collections import Counter
+
+    from test_sampling_exactness import (
+        LENGTH,
+        PROMPT,
+        SAMPLES,
+        SAMPLING,
+        VOCAB,
+        chi_squared_pvalue,
+        exact_distribution,
+    )
+
+    path = write_deepseek_v3(tmp_path / "ds", vocab=VOCAB, seed=2, sharpness=1.5)
+    path, mlx_model, model = both_backends(path)
+    exact = exact_distribution(mlx_model, SAMPLING)
+    drafter = load_mtp_drafter(path, model=model)
+    torch.manual_seed(1234)
+    counts, stats = Counter(), SpecStats()
+    for _ in range(SAMPLES):
+        out = speculative_tokens(
+            TorchTarget(model, capture_layers=drafter.capture_layers, speculative=True),
+            drafter, PROMPT, sampling=SAMPLING, max_tokens=LENGTH, num_draft=2, stats=stats)
+        counts[tuple(t for t, _ in out)] += 1
+    assert 0 < stats.accepted < stats.drafted
+    pvalue = chi_squared_pvalue(counts, exact)
+    assert pvalue > 0.001, f"p = {pvalue:.2g}"
