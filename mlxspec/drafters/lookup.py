@@ -3,7 +3,9 @@
 Costs no model call. An index from every n-gram to the latest positions it ended at is updated
 incrementally as tokens are committed, so a step costs O(new tokens x n-gram sizes) however long
 the prompt and conversation are. With `branches` > 1 the continuations of several earlier matches
-are proposed together as a tree (shared prefixes merged), verified in one pass.
+are proposed together as a tree (shared prefixes merged), verified in one pass. A `reference`
+(token ids of a text the output is expected to repeat: OpenAI's predicted outputs, a file being
+edited) is searched too, after the sequence itself.
 """
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
@@ -14,7 +16,8 @@ class PromptLookupDrafter(Drafter):
     name = "lookup"
     default_num_draft = 8
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1,
+                 reference: list[int] | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
@@ -23,36 +26,44 @@ class PromptLookupDrafter(Drafter):
         self.drafts_trees = branches > 1
         self._index: dict[tuple[int, ...], list[int]] = {}  # latest `branches` ends, oldest first
         self._indexed = 0  # n-grams ending before this position are in the index
+        self.reference = list(reference or [])
+        self._reference_index: dict[tuple[int, ...], list[int]] = {}
+        if self.reference:
+            self._extend_index(self.reference, self._reference_index, 0)
 
     def begin(self, prompt, features=None):
         self._index.clear()
         self._indexed = 0
 
-    def _extend_index(self, tokens: list[int]) -> None:
-        # Index n-grams ending at positions that have a continuation (all but the last token);
-        # later positions overwrite earlier ones, so a lookup finds the most recent match.
-        for end in range(self._indexed, len(tokens) - 1):
+    def _extend_index(self, tokens: list[int], index: dict, start: int) -> int:
+        """Index n-grams ending at positions `start`.. that have a continuation (all but the
+        last token); later positions overwrite earlier ones, so a lookup finds the most recent
+        match. Returns the next position to index."""
+        for end in range(start, len(tokens) - 1):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end + 1 >= n:
-                    ends = self._index.setdefault(tuple(tokens[end + 1 - n : end + 1]), [])
+                    ends = index.setdefault(tuple(tokens[end + 1 - n : end + 1]), [])
                     ends.append(end)
                     del ends[: -self.branches]
-        self._indexed = max(self._indexed, len(tokens) - 1)
+        return max(start, len(tokens) - 1)
 
     def continuations(self, tokens: list[int], k: int) -> list[list[int]]:
         """Up to `branches` different runs of up to k tokens that followed earlier matches of the
-        suffix: the longest n-gram's latest match first, then older and shorter ones."""
-        self._extend_index(tokens)
+        suffix: the longest n-gram's latest match first, then older ones, then the reference's,
+        then shorter n-grams'."""
+        self._indexed = self._extend_index(tokens, self._index, self._indexed)
         found = []
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < n:
                 continue
-            for end in reversed(self._index.get(tuple(tokens[-n:]), [])):
-                copied = tokens[end + 1 : end + 1 + k]
-                if copied and copied not in found:
-                    found.append(copied)
-                if len(found) == self.branches:
-                    return found
+            suffix = tuple(tokens[-n:])
+            for source, index in ((tokens, self._index), (self.reference, self._reference_index)):
+                for end in reversed(index.get(suffix, [])):
+                    copied = source[end + 1 : end + 1 + k]
+                    if copied and copied not in found:
+                        found.append(copied)
+                    if len(found) == self.branches:
+                        return found
         return found
 
     def continuation(self, tokens: list[int], k: int) -> list[int]:

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible HTTP API over mlxspec's loop: a Starlette (ASGI) app served by uvicorn.
+
+Starlette and uvicorn are what FastAPI-based servers of this field (vLLM's OpenAI server,
+mlx-omni-server, LM Studio-like local servers) stand on: a maintained HTTP/1.1 parser, server-sent
+events by a streaming response, graceful shutdown on SIGINT/SIGTERM (in-flight requests drain)
+and a client's disconnect seen as a cancelled stream; none of it is hand-written here.
+"""
+
+import contextlib
+import json
+import secrets
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .metrics import Metrics
+from .requests import APIError, GenerationRequest, parse_request
+from .worker import Job, Outcome, QueueFull, Worker
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def usage(outcome: Outcome) -> dict:
+    """OpenAI's usage, with its fields for predicted outputs holding the drafts verification
+    accepted and rejected (for every drafter: speculation is prediction), plus mlxspec's own."""
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": outcome.accepted,
+            "rejected_prediction_tokens": outcome.drafted - outcome.accepted,
+        },
+        "mlxspec": {"drafter": outcome.drafter, "target_passes": outcome.target_passes,
+                    "tau": round(outcome.tau, 4)},
+    }
+
+
+class Server:
+    """The app's state: the served model, its worker, the metrics and the API key."""
+
+    def __init__(self, model, tokenizer, *, model_id: str, build_drafters, default_drafter: str,
+                 api_key: str | None = None, max_queue: int = 64, context_length=None):
+        self.model_id, self.api_key = model_id, api_key
+        self.tokenizer, self.context_length = tokenizer, context_length
+        self.metrics = Metrics()
+        self.worker = Worker(model, tokenizer, build_drafters, default_drafter,
+                             max_queue=max_queue,
+                             on_finish=lambda job, outcome: self.metrics.finished(outcome))
+        self.metrics.queue_length = lambda: self.worker.queue_length
+        self.drafter_names = tuple(self.worker.drafters)
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.completions(chat=True), methods=["POST"]),
+            Route("/v1/completions", self.completions(chat=False), methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, lifespan=self.lifespan,
+                         exception_handlers={404: self.not_found, 405: self.not_allowed})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        yield
+        self.worker.stop()  # after uvicorn drained the in-flight requests
+
+    # ---- plain endpoints ----
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self.check_key(request)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mlxspec",
+             "drafters": list(self.drafter_names)}]})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "queue": self.worker.queue_length,
+                             "busy": self.worker.busy})
+
+    async def prometheus(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def not_found(self, request: Request, exc) -> Response:
+        return error_response(APIError(404, f"no route {request.method} {request.url.path}",
+                                       code="not_found"))
+
+    async def not_allowed(self, request: Request, exc) -> Response:
+        return error_response(APIError(405, f"{request.method} is not allowed on "
+                                            f"{request.url.path}", code="method_not_allowed"))
+
+    def check_key(self, request: Request) -> Response | None:
+        if self.api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            return error_response(APIError(401, "missing or wrong API key (Authorization: "
+                                                "Bearer ...)", kind="authentication_error",
+                                           code="invalid_api_key"))
+        return None
+
+    # ---- generation ----
+
+    def completions(self, *, chat: bool):
+        endpoint = "chat.completions" if chat else "completions"
+
+        async def handle(request: Request) -> Response:
+            if (denied := self.check_key(request)) is not None:
+                self.metrics.request(endpoint, denied.status_code)
+                return denied
+            try:
+                parsed = await self.read(request, chat)
+            except APIError as err:
+                self.metrics.request(endpoint, err.status)
+                return error_response(err)
+            import asyncio
+
+            job = Job(parsed, asyncio.get_running_loop())
+            try:
+                self.worker.submit(job)
+            except QueueFull:
+                self.metrics.request(endpoint, 429)
+                return error_response(APIError(429, "the server's queue is full; retry later",
+                                               kind="rate_limit_error", code="queue_full"))
+            self.metrics.request(endpoint, 200)
+            if parsed.stream:
+                return StreamingResponse(self.stream(job, chat), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return await self.whole(job, chat)
+
+        return handle
+
+    async def read(self, request: Request, chat: bool) -> GenerationRequest:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes",
+                               code="body_too_large")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"the body is not valid JSON: {err}") from None
+        if isinstance(body, dict) and body.get("model") not in (None, self.model_id):
+            raise APIError(404, f"the model {body.get('model')!r} does not exist; this server "
+                                f"serves {self.model_id!r}", param="model",
+                           code="model_not_found")
+        return parse_request(body, chat=chat, tokenizer=self.tokenizer,
+                             context_length=self.context_length, drafters=self.drafter_names)
+
+    def envelope(self, job: Job, chat: bool) -> dict:
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": job.created, "model": self.model_id}
+
+    async def whole(self, job: Job, chat: bool) -> Response:
+        text = []
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                text.append(value)
+            elif kind == "error":
+                return error_response(APIError(500, value, kind="server_error"))
+            else:
+                break
+        outcome, content = value, "".join(text)
+        choice = {"index": 0, "finish_reason": finish(outcome)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice.update(text=content, logprobs=None)
+        body = {**self.envelope(job, chat), "choices": [choice], "usage": usage(outcome)}
+        body["object"] = "chat.completion" if chat else "text_completion"
+        return JSONResponse(body)
+
+    async def stream(self, job: Job, chat: bool):
+        """Server-sent events in OpenAI's chunk format; a disconnect cancels the job."""
+        head = self.envelope(job, chat)
+
+        def chunk(piece: str | None, reason: str | None = None) -> str:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None,
+                          "finish_reason": reason}
+            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+
+        try:
+            if chat:
+                role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                             "finish_reason": None}]}
+                yield f"data: {json.dumps(role)}\n\n"
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text":
+                    yield chunk(value)
+                elif kind == "error":
+                    error = APIError(500, value, kind="server_error").body()
+                    yield f"data: {json.dumps(error)}\n\n"
+                    break
+                else:
+                    yield chunk(None, finish(value))
+                    if job.request.include_usage:
+                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(value)})}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): the worker stops at its next step
+            job.cancelled.set()
+
+
+def finish(outcome: Outcome) -> str:
+    """OpenAI's finish_reason: "stop" (a stop string or the end-of-sequence token) or "length"."""
+    return "length" if outcome.finish_reason == "length" else "stop"
+
+
+__all__ = ["Server"]

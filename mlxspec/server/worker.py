@@ -1,0 +1,183 @@
+"""One generation at a time on one model, fed by a bounded FIFO queue.
+
+MLX evaluates one graph at a time on a device, and a drafter holds per-sequence state (its
+caches), so requests are served in arrival order by one worker thread rather than batched:
+batched speculative decoding would need a verify pass over sequences with different numbers of
+accepted drafts (ragged rollback of every cache, per-sequence adaptive K), which neither mlx-lm's
+caches nor this loop support yet. The HTTP side never blocks on the model: it queues a job and
+reads the job's events as the worker produces them.
+"""
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..drafters import LookupFirstDrafter, PromptLookupDrafter
+from ..engine import Drafter, PlainDecoding
+from .requests import GenerationRequest
+from .stops import StopText
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def emit(self, kind: str, value=None) -> None:
+        """Hand an event to the request's handler (from the worker thread)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+@dataclass
+class Outcome:
+    """What a finished generation reports besides its text."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    drafter: str
+    target_passes: int
+    drafted: int
+    accepted: int
+    tau: float
+    seconds_to_first_token: float
+    tokens_per_second: float
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Worker:
+    """Runs jobs one after another on a thread of its own; `submit` refuses past `max_queue`
+    waiting jobs (the caller answers 429).
+
+    The drafters are built on that thread too (`build_drafters`), before it takes a job: MLX
+    keeps a stream per thread, and an array a drafter computed lazily at load time belongs to
+    the thread that built it. A failure there is raised here, before the server starts."""
+
+    def __init__(self, model, tokenizer, build_drafters: Callable[[], dict[str, Drafter]],
+                 default_drafter: str, *, max_queue: int = 64, on_finish=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.default_drafter = default_drafter
+        self.max_queue, self.on_finish = max_queue, on_finish
+        self._jobs: queue.Queue = queue.Queue()
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self.busy = False
+        self.drafters: dict[str, Drafter] = {}
+        built: list = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build_drafters, built, ready),
+                                        name="mlxspec-worker", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if built and isinstance(built[0], BaseException):
+            raise built[0]
+
+    @property
+    def queue_length(self) -> int:
+        return self._waiting
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                raise QueueFull
+            self._waiting += 1
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self, build_drafters, built: list, ready: threading.Event) -> None:
+        try:
+            self.drafters = build_drafters()
+        except BaseException as err:  # noqa: BLE001  (raised again in __init__)
+            built.append(err)
+            return
+        finally:
+            ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._waiting -= 1
+            if job.cancelled.is_set():  # the client left while it waited
+                continue
+            self.busy = True
+            try:
+                outcome = self._generate(job)
+                job.emit("done", outcome)
+                if self.on_finish is not None:
+                    self.on_finish(job, outcome)
+            except Exception as err:  # noqa: BLE001  (reported to the client, the server lives)
+                job.emit("error", f"{type(err).__name__}: {err}")
+            finally:
+                self.busy = False
+
+    def drafter_for(self, request: GenerationRequest) -> Drafter:
+        """The request's drafter; a predicted output becomes a lookup source in front of it."""
+        name = request.drafter or self.default_drafter
+        drafter = self.drafters[name]
+        if request.prediction is None:
+            return drafter
+        lookup = PromptLookupDrafter(reference=request.prediction)
+        if isinstance(drafter, PlainDecoding):
+            return lookup
+        if isinstance(drafter, PromptLookupDrafter):
+            return PromptLookupDrafter(max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram,
+                                       branches=drafter.branches, reference=request.prediction)
+        if isinstance(drafter, LookupFirstDrafter):
+            drafter = drafter.model_drafter
+        return LookupFirstDrafter(drafter, lookup)
+
+    def _generate(self, job: Job) -> Outcome:
+        from ..generate import stream_generate
+
+        request = job.request
+        stops = StopText(request.stop)
+        start = time.perf_counter()
+        first, last, produced, finish = None, None, 0, "length"
+        responses = stream_generate(
+            self.model, self.tokenizer, request.prompt, request.max_tokens,
+            drafter=self.drafter_for(request), num_draft=request.num_draft, temp=request.temp,
+            top_p=request.top_p, top_k=request.top_k, min_p=request.min_p, seed=request.seed)
+        try:
+            for last in responses:
+                if job.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+                if first is None:
+                    first = time.perf_counter() - start
+                text = stops.feed(last.text)
+                if text:
+                    job.emit("text", text)
+                if stops.stopped:
+                    finish = "stop"
+                    produced = last.generation_tokens
+                    break
+                produced = last.generation_tokens
+                if last.finish_reason is not None:
+                    finish = last.finish_reason
+            rest = stops.flush()
+            if rest:
+                job.emit("text", rest)
+        finally:
+            responses.close()
+        elapsed = time.perf_counter() - start - (first or 0.0)
+        return Outcome(
+            finish_reason=finish, prompt_tokens=len(request.prompt), completion_tokens=produced,
+            drafter=last.drafter if last else "none", target_passes=last.target_passes if last else 0,
+            drafted=last.drafted if last else 0, accepted=last.accepted if last else 0,
+            tau=last.tau if last else 0.0, seconds_to_first_token=first or 0.0,
+            tokens_per_second=produced / elapsed if elapsed > 0 else 0.0)
