@@ -179,6 +179,20 @@ def test_prediction_raises_acceptance_and_leaves_the_output_alone(client, smollm
         plain.usage.model_extra["mlxspec"]["target_passes"]
 
 
+def test_a_follow_up_turn_prefills_only_its_new_tokens(client, smollm):
+    """The kept cache of the conversation's first turn serves its second: the prompt tokens it
+    held are reported as cached (OpenAI's prompt_tokens_details) and the reply is unchanged."""
+    first = [{"role": "user", "content": "Name three colors."}]
+    one = client.chat.completions.create(model=MODEL_ID, messages=first, max_tokens=16,
+                                         temperature=0, extra_body={"drafter": "lookup"})
+    follow = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": "And three animals?"}]
+    two = client.chat.completions.create(model=MODEL_ID, messages=follow, max_tokens=16,
+                                         temperature=0, extra_body={"drafter": "lookup"})
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 1
+    assert two.choices[0].message.content == reference(smollm, follow, 16)
+
+
 def test_models_health_and_metrics(served, client):
     running, _ = served
     assert [m.id for m in client.models.list().data] == [MODEL_ID]

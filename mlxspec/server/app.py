@@ -33,6 +33,7 @@ def usage(outcome: Outcome) -> dict:
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
         "completion_tokens_details": {
             "accepted_prediction_tokens": outcome.accepted,
             "rejected_prediction_tokens": outcome.drafted - outcome.accepted,

@@ -42,6 +42,7 @@ class Outcome:
 
     finish_reason: str
     prompt_tokens: int
+    cached_tokens: int  # prompt tokens a kept cache held: not prefilled again
     completion_tokens: int
     drafter: str
     target_passes: int
@@ -65,8 +66,14 @@ class Worker:
     the thread that built it. A failure there is raised here, before the server starts."""
 
     def __init__(self, model, tokenizer, build_drafters: Callable[[], dict[str, Drafter]],
-                 default_drafter: str, *, max_queue: int = 64, on_finish=None):
+                 default_drafter: str, *, max_queue: int = 64, on_finish=None,
+                 cache_slots: int = 4):
+        from ..generate import BACKEND_PARTS, resolve_backend
+        from .cache_pool import PromptCachePool
+
         self.model, self.tokenizer = model, tokenizer
+        make_cache = BACKEND_PARTS[resolve_backend(model, None)]().prompt_cache
+        self.caches = PromptCachePool(make_cache, slots=cache_slots) if cache_slots else None
         self.default_drafter = default_drafter
         self.max_queue, self.on_finish = max_queue, on_finish
         self._jobs: queue.Queue = queue.Queue()
@@ -148,10 +155,17 @@ class Worker:
         stops = StopText(request.stop)
         start = time.perf_counter()
         first, last, produced, finish = None, None, 0, "length"
+        drafter = self.drafter_for(request)
+        cache, cached = None, 0
+        if self.caches is not None and not drafter.capture_layers:  # the loop's own rule
+            cache = self.caches.checkout(request.prompt)
+            cache.take(self.model, request.prompt)
+            cached = len(cache.tokens)
         responses = stream_generate(
             self.model, self.tokenizer, request.prompt, request.max_tokens,
-            drafter=self.drafter_for(request), num_draft=request.num_draft, temp=request.temp,
-            top_p=request.top_p, top_k=request.top_k, min_p=request.min_p, seed=request.seed)
+            drafter=drafter, num_draft=request.num_draft, temp=request.temp,
+            top_p=request.top_p, top_k=request.top_k, min_p=request.min_p, seed=request.seed,
+            prompt_cache=cache)
         try:
             for last in responses:
                 if job.cancelled.is_set():
@@ -176,7 +190,8 @@ class Worker:
             responses.close()
         elapsed = time.perf_counter() - start - (first or 0.0)
         return Outcome(
-            finish_reason=finish, prompt_tokens=len(request.prompt), completion_tokens=produced,
+            finish_reason=finish, prompt_tokens=len(request.prompt), cached_tokens=cached,
+            completion_tokens=produced,
             drafter=last.drafter if last else "none", target_passes=last.target_passes if last else 0,
             drafted=last.drafted if last else 0, accepted=last.accepted if last else 0,
             tau=last.tau if last else 0.0, seconds_to_first_token=first or 0.0,

@@ -1,0 +1,43 @@
+"""Prompt caches kept across requests: a follow-up turn of a conversation prefills only its
+new tokens.
+
+A few kept caches (mlxspec.prompt_cache.KeptCache, the one `chat` keeps between turns), least
+recently used evicted: a request takes the cache that shares the longest prefix with its prompt
+(its conversation's), or a fresh one. Memory is bounded by the number of caches and by the
+tokens they hold together; over either, the least recently used go first.
+"""
+
+from typing import Callable, Sequence
+
+from ..engine import common_prefix_length
+from ..prompt_cache import KeptCache
+
+
+class PromptCachePool:
+    def __init__(self, make: Callable[[], KeptCache], *, slots: int = 4,
+                 max_tokens: int = 65536):
+        self.make, self.slots, self.max_tokens = make, slots, max_tokens
+        self.caches: list[KeptCache] = []  # least recently used first
+
+    def checkout(self, prompt: Sequence[int]) -> KeptCache:
+        """The cache for `prompt`, now the most recently used."""
+        best, shared = None, 0
+        for cache in self.caches:
+            n = common_prefix_length(cache.tokens, prompt[:-1])
+            if n > shared:
+                best, shared = cache, n
+        if best is None:
+            best = self.make()
+        else:
+            self.caches.remove(best)
+        self.caches.append(best)
+        self._bound()
+        return best
+
+    def _bound(self) -> None:
+        while len(self.caches) > self.slots or (
+                len(self.caches) > 1 and sum(len(c.tokens) for c in self.caches) > self.max_tokens):
+            self.caches.pop(0)
+
+    def held_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.caches)
