@@ -354,6 +354,9 @@ def bench_drafter_options(f):
               help="GGUF file for llama.cpp (default: the model's own, when it was loaded from one).")
 @click.option("--llama-cpp-num-draft", type=int, default=10, show_default=True,
               help="Tokens llama.cpp's prompt lookup drafts per step.")
+@click.option("--server", default=None, metavar="URL",
+              help="Also run each of --drafters through a running `mlxspec serve` of the same "
+                   "model at URL (e.g. http://127.0.0.1:8080), timed at the client.")
 @click.option("--compare", "comparisons", multiple=True, metavar="A/B",
               help="Report tau(A) / tau(B) and tok/s(A) / tok/s(B) for two of --drafters, paired "
                    "over the same prompts, with 95% bootstrap intervals (repeatable), e.g. "
@@ -371,7 +374,8 @@ def bench_drafter_options(f):
                    "none,lookup,draft@4,dflash@15.")
 def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, limit, num_draft,
           adaptive, with_mlx_lm, mlx_lm_num_draft, with_llama_cpp, llama_cpp_gguf,
-          llama_cpp_num_draft, comparisons, out, markdown, plot, overhead, **drafter_flags):
+          llama_cpp_num_draft, server, comparisons, out, markdown, plot, overhead,
+          **drafter_flags):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark
@@ -421,6 +425,10 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
                                  param_hint="--mlx-lm")
     with_mlx_lm = backend == "mlx" if with_mlx_lm is None else with_mlx_lm
     try:
+        if server is not None:  # an unreachable server fails here, before any model loads
+            from mlxspec.bench import server_model
+
+            server_model(server)
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         made, built = {}, {}  # one drafter per kind and options, whatever the K
         skipped = []  # drafters this target cannot run (no MTP modules), with the reason
@@ -451,10 +459,12 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
         mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, with_llama_cpp=with_llama_cpp,
         llama_cpp_gguf=llama_cpp_gguf or gguf_file(model), llama_cpp_num_draft=llama_cpp_num_draft,
         adaptive=adaptive, compare=[p for p in pairs if set(p) <= set(built)], skipped=skipped,
+        server=server,
         progress=lambda line: click.echo(line, err=True),
     )
     report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"
     report["settings"]["draft_model"] = draft_model
+    report["settings"]["server"] = server
     report["settings"]["backend"] = backend
     if backend == "torch":
         report["settings"]["device"] = _backend_line(target)

@@ -150,6 +150,50 @@ def _mlx_lm(model, tokenizer, prompt, max_tokens, temp, seed, result, *, draft_m
     result.peak_memory_gb = max(result.peak_memory_gb or 0.0, last.peak_memory)
 
 
+def server_model(url: str) -> tuple[str, list[str]]:
+    """The model a running `mlxspec serve` at `url` serves and the drafters it offers
+    (ValueError, one line, if none answers)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as response:
+            served = json.loads(response.read())["data"][0]
+        return served["id"], list(served.get("drafters", []))
+    except (OSError, ValueError, KeyError, IndexError) as err:
+        raise ValueError(f"no mlxspec server answers at {url}: {err}") from None
+
+
+def _server(url, model_id, prompt, max_tokens, temp, seed, result, *, drafter, num_draft):
+    """One prompt through a running `mlxspec serve`: streamed text completion of the prompt as
+    bench built it (chat template applied), timed at the client; passes and accepts from usage."""
+    import urllib.request
+
+    body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": temp,
+            "seed": seed, "stream": True, "stream_options": {"include_usage": True},
+            "drafter": drafter, "num_draft": num_draft}
+    request = urllib.request.Request(url.rstrip("/") + "/v1/completions",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    start, first, usage = time.perf_counter(), None, None
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the server failed: {event['error']['message']}")
+            if event.get("choices") and event["choices"][0].get("text") and first is None:
+                first = time.perf_counter()
+            usage = event.get("usage") or usage
+    end = time.perf_counter()
+    n = usage["completion_tokens"]
+    result.add_timing(n, start, first or end, end)
+    details, ours = usage["completion_tokens_details"], usage["mlxspec"]
+    result.target_passes += ours["target_passes"]
+    result.accepted += details["accepted_prediction_tokens"]
+    result.drafted += details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+
+
 def _llama_cpp(peer, tokenizer, prompt, max_tokens, temp, seed, result):
     peer.run(encode_prompt(tokenizer, prompt), max_tokens, temp, seed, result,
              stop_ids=tokenizer.eos_token_ids)
@@ -175,6 +219,7 @@ def run_benchmark(
     compare: "list[tuple[str, str]]" = (),
     seed: int = 0,
     skipped: "list[dict]" = (),
+    server: str | None = None,
     progress=print,
 ) -> dict:
     """`drafters` maps a label to a Drafter (or None for plain decoding); a label "name@K"
@@ -183,7 +228,9 @@ def run_benchmark(
     GGUF); a peer that cannot run is listed under "skipped" with the reason. Each (a, b) in
     `compare` (two of our labels) adds tau(a) / tau(b) and tok/s(a) / tok/s(b) per suite and T,
     paired over prompts (mlxspec.intervals). `skipped` lists runs left out before this call
-    ({"engine", "reason"}: a drafter the target cannot run), reported with the peers'."""
+    ({"engine", "reason"}: a drafter the target cannot run), reported with the peers'.
+    `server` (a URL of a running `mlxspec serve` of the same model) runs each of our drafter
+    labels through it too, as the engine "mlxspec serve", timed at the client."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
@@ -196,6 +243,18 @@ def run_benchmark(
         configs.append(("mlxspec", name, partial(
             _ours, model, tokenizer, drafter=drafter, num_draft=k or num_draft,
             adaptive=adaptive and k is None)))
+    if server is not None:
+        model_id, offered = server_model(server)
+        for name in drafters:
+            base, *options = name.split("@", 1)[0].split(":")
+            reason = ("a drafter's own options are the server's, set when it started" if options
+                      else None if base in offered else
+                      f"the server offers {', '.join(offered)} (start it with --drafter {base})")
+            if reason:
+                skipped.append({"engine": f"mlxspec serve {name}", "reason": reason})
+                continue
+            configs.append(("mlxspec serve", name, partial(
+                _server, server, model_id, drafter=base, num_draft=fixed_k(name) or num_draft)))
     if with_mlx_lm:
         configs.append(("mlx-lm", "none", partial(_mlx_lm, model, tokenizer, draft_model=None,
                                                   num_draft=mlx_lm_num_draft)))

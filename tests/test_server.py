@@ -356,3 +356,31 @@ def test_bounded_load_every_request_served_and_the_server_healthy_after(served, 
         {"role": "user", "content": questions[0]}], max_tokens=16, temperature=0)
     assert after.choices[0].message.content == wanted[questions[0]]
     assert rss_mb() - before < 300, (before, rss_mb())
+
+
+def test_bench_targets_a_running_server(served, tmp_path):
+    """`bench --server URL` runs each drafter label through the server as the engine "mlxspec
+    serve", beside the in-process rows; labels the server cannot run are skipped, saying why;
+    no server at the URL is one line before any model loads."""
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    running, _ = served
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--drafters", "none,lookup,dflash:tree-budget=4", "--suite", "humaneval",
+        "--limit", "1", "--max-tokens", "6", "--temp", "0", "--no-mlx-lm", "--no-llama-cpp",
+        "--server", running.url, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    rows = {(r["engine"], r["drafter"]): r for r in report["results"]}
+    for drafter in ("none", "lookup"):
+        served_row, own = rows["mlxspec serve", drafter], rows["mlxspec", drafter]
+        assert served_row["tokens"] == own["tokens"] > 0  # the same greedy tokens, timed apart
+        assert served_row["target_passes"] == own["target_passes"]
+    skipped = {s["engine"]: s["reason"] for s in report["skipped"]}
+    assert "own options" in skipped["mlxspec serve dflash:tree-budget=4"]
+    refused = CliRunner().invoke(main, ["bench", "--server", f"http://127.0.0.1:{free_port()}"])
+    assert refused.exit_code != 0 and "no mlxspec server answers" in refused.output
+    assert "Traceback" not in refused.output
