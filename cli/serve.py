@@ -16,6 +16,7 @@ from mlxspec.cli.main import (
     main,
     model_options,
 )
+from mlxspec.cli.train import shared
 
 
 def _model_id(model: str | None) -> str:
@@ -29,17 +30,9 @@ def _model_id(model: str | None) -> str:
     return path.name if path.exists() else model
 
 
-def _apply(options):
-    def decorate(command):
-        for option in reversed(options):
-            command = option(command)
-        return command
-    return decorate
-
-
 @main.command()
 @model_options
-@_apply([
+@shared([
     click.option("--drafter", type=DrafterChoice(), default="none", show_default=True,
                  help="The drafter of requests that name none (their body's \"drafter\"); "
                       "requests may choose none, lookup, this one or its +lookup form."),
