@@ -384,3 +384,26 @@ def test_bench_targets_a_running_server(served, tmp_path):
     refused = CliRunner().invoke(main, ["bench", "--server", f"http://127.0.0.1:{free_port()}"])
     assert refused.exit_code != 0 and "no mlxspec server answers" in refused.output
     assert "Traceback" not in refused.output
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_model_at_once(served):
+    """A 2000-token stream dropped after its first chunks stops at the next step (the whole
+    reply would take minutes here), and the next request is served."""
+    import openai as client_lib
+
+    running, _ = served
+    local = client_lib.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0,
+                              timeout=120)
+    stream = local.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Tell a very long story."}],
+        max_tokens=2000, temperature=0, stream=True, extra_body={"drafter": "none"})
+    for n, _ in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()
+    left = time.time()
+    while http("GET", running.url + "/health").json()["busy"]:
+        assert time.time() - left < 15, "the generation went on after its client left"
+        time.sleep(0.1)
+    after = local.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2, temperature=0)
+    assert after.usage.completion_tokens == 2
