@@ -156,8 +156,15 @@ class Server:
             raise APIError(404, f"the model {body.get('model')!r} does not exist; this server "
                                 f"serves {self.model_id!r}", param="model",
                            code="model_not_found")
-        return parse_request(body, chat=chat, tokenizer=self.tokenizer,
-                             context_length=self.context_length, drafters=self.drafter_names)
+        try:
+            return parse_request(body, chat=chat, tokenizer=self.tokenizer,
+                                 context_length=self.context_length, drafters=self.drafter_names)
+        except APIError:
+            raise
+        except Exception as err:  # noqa: BLE001  (a chat template that refuses the messages)
+            raise APIError(400, f"the request cannot be rendered for this model: "
+                                f"{type(err).__name__}: {err}",
+                           param="messages" if chat else "prompt") from None
 
     def envelope(self, job: Job, chat: bool) -> dict:
         return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
