@@ -44,29 +44,30 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     count_key: str  # the config key: modules (DeepSeek, MiMo) or layers of one module (Qwen)
+    prefix: str  # module i's key prefix; {i} its number, {layer} num_hidden_layers + i
     stacked: bool  # Qwen: the count is layers inside one module
     hidden_first: bool  # MiMo concatenates [h; e]
     chain_after_norm: bool
     norms_offset: bool  # (1 + w) norms, as the target's own are stored
+    # The layer's tensors need the target's own sanitize (DeepSeek's and GLM's: experts to
+    # stack, MLA's kv_b_proj to split), which mlx-lm applies to the main layers only.
+    target_sanitize: bool = False
 
     def prefixes(self, config: dict, count: int) -> list[str]:
         """The key prefix of each module."""
-        if self.stacked:
-            return ["mtp."]
-        if self.name == "mimo":
-            return [f"model.mtp_layers.{i}." for i in range(count)]
-        n = config["num_hidden_layers"]
-        return [f"model.layers.{n + i}." for i in range(count)]
+        first = int(config.get("num_hidden_layers", 0))
+        return [self.prefix.format(i=i, layer=first + i)
+                for i in range(1 if self.stacked else count)]
 
     def owns(self, key: str, config: dict) -> bool:
         """Whether checkpoint tensor `key` belongs to the MTP modules (mlx-lm drops these)."""
-        if self.stacked:
-            return key.startswith("mtp.") or key.startswith("model.mtp.")
-        if self.name == "mimo":
-            return key.startswith("model.mtp_layers.")
-        n = int(config["num_hidden_layers"])
-        parts = key.split(".")
-        return key.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= n
+        head = self.prefix.split("{")[0]
+        if not key.startswith(head):
+            return False
+        if "{layer}" not in self.prefix:
+            return True
+        index = key[len(head):].split(".")[0]
+        return index.isdigit() and int(index) >= int(config["num_hidden_layers"])
 
 
 # The module's own names for the three parts around its layers, per family.
@@ -83,11 +84,12 @@ PARTS = {
 TARGET_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 FAMILIES = (
-    Family("qwen", ("qwen3_next", "qwen3_5", "qwen3_5_moe"), "mtp_num_hidden_layers",
+    Family("qwen", ("qwen3_next", "qwen3_5", "qwen3_5_moe"), "mtp_num_hidden_layers", "mtp.",
            stacked=True, hidden_first=False, chain_after_norm=True, norms_offset=True),
     Family("deepseek", ("deepseek_v3", "glm4_moe"), "num_nextn_predict_layers",
-           stacked=False, hidden_first=False, chain_after_norm=False, norms_offset=False),
-    Family("mimo", ("mimo",), "num_nextn_predict_layers",
+           "model.layers.{layer}.", stacked=False, hidden_first=False, chain_after_norm=False,
+           norms_offset=False, target_sanitize=True),
+    Family("mimo", ("mimo",), "num_nextn_predict_layers", "model.mtp_layers.{i}.",
            stacked=False, hidden_first=True, chain_after_norm=True, norms_offset=False),
 )
 SHIPPING = "Qwen3.5/3.6, Qwen3-Next, DeepSeek-V3, GLM-4.5 and MiMo"
@@ -200,30 +202,43 @@ def target_parts(model):
     return inner, head
 
 
-def _layer_factory(family: Family, model) -> Callable[[], nn.Module]:
-    """A new decoder layer of the target's family, as its MTP layer is built."""
+def _qwen3_next_layer(model):
+    from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+
     args = model.args
-    model_type = args.model_type
-    if family.name == "qwen":
-        if model_type == "qwen3_next":
-            from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+    return lambda: Qwen3NextDecoderLayer(args, args.full_attention_interval - 1)
 
-            return lambda: Qwen3NextDecoderLayer(args, args.full_attention_interval - 1)
-        from mlx_lm.models.qwen3_5 import DecoderLayer
 
-        text_args = model.language_model.args
-        return lambda: DecoderLayer(text_args, text_args.full_attention_interval - 1)
-    if model_type == "deepseek_v3":
-        from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+def _qwen3_5_layer(model):
+    from mlx_lm.models.qwen3_5 import DecoderLayer
 
-        return lambda: DeepseekV3DecoderLayer(args, args.num_hidden_layers)
-    if model_type == "glm4_moe":
-        from mlx_lm.models.glm4_moe import DecoderLayer
+    args = model.language_model.args
+    return lambda: DecoderLayer(args, args.full_attention_interval - 1)
 
-        return lambda: DecoderLayer(args, args.num_hidden_layers)
+
+def _deepseek_v3_layer(model):
+    from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+
+    return lambda: DeepseekV3DecoderLayer(model.args, model.args.num_hidden_layers)
+
+
+def _glm4_moe_layer(model):
+    from mlx_lm.models.glm4_moe import DecoderLayer
+
+    return lambda: DecoderLayer(model.args, model.args.num_hidden_layers)
+
+
+def _mimo_layer(model):
     from mlx_lm.models.mimo import TransformerBlock
 
-    return lambda: TransformerBlock(args)
+    return lambda: TransformerBlock(model.args)
+
+
+# model type -> (target -> a new decoder layer of its family, as its MTP layer is built: at the
+# MTP layer's index, so full attention, and MoE where the model is MoE).
+LAYERS = {"qwen3_next": _qwen3_next_layer, "qwen3_5": _qwen3_5_layer,
+          "qwen3_5_moe": _qwen3_5_layer, "deepseek_v3": _deepseek_v3_layer,
+          "glm4_moe": _glm4_moe_layer, "mimo": _mimo_layer}
 
 
 _OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
@@ -280,9 +295,7 @@ def _module_weights(family: Family, tensors: dict[str, mx.array], prefix: str, m
             for key, value in _qwen_layer_weights(layer, offset).items():
                 out[f"layers.{index}.{key}"] = value
         return out
-    if family.name == "deepseek":
-        # The target's own sanitize stacks the experts and splits MLA's kv_b_proj, but only for
-        # the main layers: the block passes through it as layer 0.
+    if family.target_sanitize:  # the block passes through it as the target's layer 0
         renamed = model.sanitize({f"model.layers.0.{k}": v for k, v in block.items()})
         block = {k[len("model.layers.0."):]: v for k, v in renamed.items()}
     out.update({f"layers.0.{k}": v for k, v in block.items()})
@@ -298,7 +311,7 @@ def build_mtp_model(model, config: dict, tensors: dict[str, mx.array], *,
     count = mtp_count(config)
     settings = text_config(config)
     hidden, eps = int(settings["hidden_size"]), float(settings.get("rms_norm_eps", 1e-6))
-    new_layer = _layer_factory(family, model)
+    new_layer = LAYERS[config["model_type"]](model)
     layers_per_module = count if family.stacked else 1
     modules = [MTPModule([new_layer() for _ in range(layers_per_module)], hidden, eps,
                          family.hidden_first)
