@@ -45,22 +45,23 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 
                 "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 
 
-def safetensors_problem(path: Path) -> str | None:
-    """Check a safetensors header against itself and the file size, without reading tensors."""
+def _safetensors_header(path: Path) -> tuple[dict | None, str | None]:
+    """(header, None), or (None, what is wrong with it), checked against itself and the file
+    size, without reading tensors."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            return "shorter than a safetensors header"
+            return None, "shorter than a safetensors header"
         header_len = int.from_bytes(head, "little")
         if header_len > min(size - 8, 100_000_000):
-            return "header length is larger than the file"
+            return None, "header length is larger than the file"
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            return "header is not valid JSON"
+            return None, "header is not valid JSON"
     if not isinstance(header, dict):
-        return "header is not a JSON object"
+        return None, "header is not a JSON object"
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
@@ -72,22 +73,25 @@ def safetensors_problem(path: Path) -> str | None:
                 count *= int(dim)
             nbytes = count * _DTYPE_BYTES[info["dtype"]]
         except (TypeError, KeyError, ValueError):
-            return f"header entry for {name!r} is not a tensor record"
+            return None, f"header entry for {name!r} is not a tensor record"
         if stop - start != nbytes:
-            return f"tensor {name!r} spans {stop - start} bytes but its shape needs {nbytes}"
+            return None, f"tensor {name!r} spans {stop - start} bytes but its shape needs {nbytes}"
         end = max(end, stop)
     if 8 + header_len + end != size:
-        return f"size {size} bytes does not match its header (truncated or corrupted)"
-    return None
+        return None, f"size {size} bytes does not match its header (truncated or corrupted)"
+    return header, None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Check a safetensors header against itself and the file size, without reading tensors."""
+    return _safetensors_header(path)[1]
 
 
 def safetensors_names(path: Path) -> list[str]:
     """The tensor names in a safetensors file's header, without reading tensors."""
-    problem = safetensors_problem(path)
+    header, problem = _safetensors_header(path)
     if problem:
         raise ValueError(f"{path}: {problem}")
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     return [name for name in header if name != "__metadata__"]
 
 
