@@ -6,6 +6,7 @@ events by a streaming response, graceful shutdown on SIGINT/SIGTERM (in-flight r
 and a client's disconnect seen as a cancelled stream; none of it is hand-written here.
 """
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -113,41 +114,41 @@ class Server:
         endpoint = "chat.completions" if chat else "completions"
 
         async def handle(request: Request) -> Response:
-            if (denied := self.check_key(request)) is not None:
-                self.metrics.request(endpoint, denied.status_code)
-                return denied
-            try:
-                parsed = await self.read(request, chat)
-            except APIError as err:
-                self.metrics.request(endpoint, err.status)
-                return error_response(err)
-            import asyncio
-
-            job = Job(parsed, asyncio.get_running_loop())
-            try:
-                self.worker.submit(job)
-            except QueueFull:
-                self.metrics.request(endpoint, 429)
-                return error_response(APIError(429, "the server's queue is full; retry later",
-                                               kind="rate_limit_error", code="queue_full"))
-            self.metrics.request(endpoint, 200)
-            if parsed.stream:
-                return StreamingResponse(self.stream(job, chat), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            return await self.whole(job, chat)
+            response = await self.respond(request, chat)
+            self.metrics.request(endpoint, response.status_code)
+            return response
 
         return handle
 
+    async def respond(self, request: Request, chat: bool) -> Response:
+        if (denied := self.check_key(request)) is not None:
+            return denied
+        try:
+            parsed = await self.read(request, chat)
+        except APIError as err:
+            return error_response(err)
+        job = Job(parsed, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            return error_response(APIError(429, "the server's queue is full; retry later",
+                                           kind="rate_limit_error", code="queue_full"))
+        if parsed.stream:
+            return StreamingResponse(self.stream(job, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self.whole(job, chat)
+
     async def read(self, request: Request, chat: bool) -> GenerationRequest:
+        too_large = APIError(413, f"the body is over {MAX_BODY_BYTES} bytes",
+                             code="body_too_large")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+            raise too_large
         raw = b""
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
-                raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes",
-                               code="body_too_large")
+                raise too_large
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -221,7 +222,8 @@ class Server:
                 else:
                     yield chunk(None, finish(value))
                     if job.request.include_usage:
-                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(value)})}\n\n"
+                        last = {**head, "choices": [], "usage": usage(value)}
+                        yield f"data: {json.dumps(last)}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or the stream ended): the worker stops at its next step

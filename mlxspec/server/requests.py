@@ -6,6 +6,9 @@ model time and never reaches the worker."""
 import math
 from dataclasses import dataclass, field
 
+from ..generate import encode_prompt
+from ..sampling import SamplingConfig
+
 
 class APIError(Exception):
     """An error as OpenAI's API returns it: {"error": {"message", "type", "param", "code"}}."""
@@ -123,8 +126,6 @@ def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
             text = text[0]
         if not isinstance(text, str):
             raise APIError(400, "prompt must be a string", param="prompt")
-        from ..generate import encode_prompt
-
         prompt = encode_prompt(tokenizer, text)
     default_max = 256 if context_length is None else max(context_length - len(prompt), 1)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -147,17 +148,15 @@ def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
     request = GenerationRequest(
         chat=chat, prompt=list(prompt), max_tokens=max_tokens,
         temp=_number(body, "temperature", 1.0, low=0, high=2),
-        top_p=_number(body, "top_p", 1.0, low=0, high=1),
-        top_k=_number(body, "top_k", 0, low=0, integer=True),
-        min_p=_number(body, "min_p", 0.0, low=0, high=1),
+        top_p=_number(body, "top_p", 1.0),  # their ranges are the sampler's, checked below
+        top_k=_number(body, "top_k", 0, integer=True),
+        min_p=_number(body, "min_p", 0.0),
         seed=_number(body, "seed", None, integer=True),
         stop=_stops(body), stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
         drafter=drafter, num_draft=_number(body, "num_draft", None, low=1, integer=True),
         prediction=_prediction(body, lambda text: tokenizer.encode(text, add_special_tokens=False)),
     )
-    from ..sampling import SamplingConfig
-
     try:  # the sampler's own checks (top_p in (0, 1], ...), in its words
         SamplingConfig(temp=request.temp, top_p=request.top_p, top_k=request.top_k,
                        min_p=request.min_p)

@@ -133,20 +133,18 @@ class Worker:
                 self.busy = False
 
     def drafter_for(self, request: GenerationRequest) -> Drafter:
-        """The request's drafter; a predicted output becomes a lookup source in front of it."""
-        name = request.drafter or self.default_drafter
-        drafter = self.drafters[name]
+        """The request's drafter; a predicted output becomes a lookup source in front of it
+        (with the settings of the lookup the drafter already has, if any)."""
+        drafter = self.drafters[request.drafter or self.default_drafter]
         if request.prediction is None:
             return drafter
-        lookup = PromptLookupDrafter(reference=request.prediction)
-        if isinstance(drafter, PlainDecoding):
+        own = drafter if isinstance(drafter, PromptLookupDrafter) else \
+            getattr(drafter, "lookup", PromptLookupDrafter())
+        lookup = PromptLookupDrafter(max_ngram=own.max_ngram, min_ngram=own.min_ngram,
+                                     branches=own.branches, reference=request.prediction)
+        if isinstance(drafter, (PlainDecoding, PromptLookupDrafter)):
             return lookup
-        if isinstance(drafter, PromptLookupDrafter):
-            return PromptLookupDrafter(max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram,
-                                       branches=drafter.branches, reference=request.prediction)
-        if isinstance(drafter, LookupFirstDrafter):
-            drafter = drafter.model_drafter
-        return LookupFirstDrafter(drafter, lookup)
+        return LookupFirstDrafter(getattr(drafter, "model_drafter", drafter), lookup)
 
     def _generate(self, job: Job) -> Outcome:
         from ..generate import stream_generate
@@ -192,7 +190,8 @@ class Worker:
         return Outcome(
             finish_reason=finish, prompt_tokens=len(request.prompt), cached_tokens=cached,
             completion_tokens=produced,
-            drafter=last.drafter if last else "none", target_passes=last.target_passes if last else 0,
+            drafter=last.drafter if last else "none",
+            target_passes=last.target_passes if last else 0,
             drafted=last.drafted if last else 0, accepted=last.accepted if last else 0,
             tau=last.tau if last else 0.0, seconds_to_first_token=first or 0.0,
             tokens_per_second=produced / elapsed if elapsed > 0 else 0.0)
