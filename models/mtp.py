@@ -269,21 +269,30 @@ def _qwen_layer_weights(layer: dict[str, mx.array], offset: bool) -> dict[str, m
     return out
 
 
-def _module_weights(family: Family, tensors: dict[str, mx.array], prefix: str, model,
-                    offset: bool) -> dict[str, mx.array]:
-    """One module's published tensors (under `prefix`) -> MTPModule names."""
-    own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+def module_tensors(family: Family, tensors: dict, prefix: str) -> tuple[dict, dict]:
+    """One module's published tensors (under `prefix`), for either backend: its own parts
+    under MTPModule's names, and its decoder layers' tensors by their names inside the module;
+    the module's copies of the target's embedding and head left out."""
     parts = PARTS[family.name]
-    out, block = {}, {}
-    for key, value in own.items():
-        if key in TARGET_COPIES:
+    own, block = {}, {}
+    for key, value in tensors.items():
+        if not key.startswith(prefix) or key[len(prefix):] in TARGET_COPIES:
             continue
+        key = key[len(prefix):]
         part = next((p for p in parts if key == f"{p}.weight"), None)
         if part is not None:
-            out[f"{parts[part]}.weight"] = value + 1.0 if offset and value.ndim == 1 \
-                and part != "fc" else value
+            own[f"{parts[part]}.weight"] = value
         else:
             block[key] = value
+    return own, block
+
+
+def _module_weights(family: Family, tensors: dict[str, mx.array], prefix: str, model,
+                    offset: bool) -> dict[str, mx.array]:
+    """One module's published tensors (under `prefix`) -> MTPModule names, in MLX's
+    conventions."""
+    own, block = module_tensors(family, tensors, prefix)
+    out = {k: v + 1.0 if offset and k != "fc.weight" else v for k, v in own.items()}
     if family.stacked:
         layers: dict[int, dict] = {}
         for key, value in block.items():

@@ -4,7 +4,7 @@ driven by the host side both backends share (drafters.mtp.MTPDrafting) with torc
 Shared with MLX, not ported: which families ship modules and where (models.mtp.Family), the
 checks before any weight loads (drafters.mtp.check_mtp_source), reading the published tensors
 (models.mtp.read_mtp_tensors: mlxspec's sidecar or the checkpoint's shards), the part names
-(models.mtp.PARTS) and the drafter's bookkeeping (committed pairs, chain by depth, cuts).
+(models.mtp.module_tensors) and the drafter's bookkeeping (committed pairs, chain by depth, cuts).
 
 Covered: the DeepSeek-V3 layout (deepseek_v3, and glm4_moe, which ships the same one). A module
 is enorm, hnorm, eh_proj and shared_head.norm around one decoder layer of the target's own
@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from ..drafters.mtp import MTPDrafting, check_mtp_source, read_model_config
 from ..drafters.paired import check_tree_options
 from ..file_checks import one_line
-from ..models.mtp import PARTS, TARGET_COPIES, family_of, mtp_count, read_mtp_tensors, text_config
+from ..models.mtp import family_of, module_tensors, mtp_count, read_mtp_tensors, text_config
 from .dflash import block_mask
 from .eagle3 import TorchPairedDrafting
 from .target import additive, cache_argument, crop, decoder_layers, model_device
@@ -185,21 +185,11 @@ def _numbered(tensors: dict, pattern: str) -> list[str]:
 
 def module_weights(family, tensors: dict, prefix: str, model_type: str) -> dict:
     """One module's published tensors (under `prefix`) -> MTPModule names, its layer's as
-    transformers names them; the module's copies of the target's embedding and head left out."""
-    parts = PARTS[family.name]
-    out, block = {}, {}
-    for key, value in tensors.items():
-        if not key.startswith(prefix) or key[len(prefix):] in TARGET_COPIES:
-            continue
-        key = key[len(prefix):]
-        part = next((p for p in parts if key == f"{p}.weight"), None)
-        if part is not None:
-            out[f"{parts[part]}.weight"] = _as_torch(value)
-        else:
-            block[key] = _as_torch(value)
-    block = fused_experts(block, model_type)
-    out.update({f"layers.0.{k}": v for k, v in block.items()})
-    return out
+    transformers names them (models.mtp.module_tensors splits them, for both backends)."""
+    own, block = module_tensors(family, tensors, prefix)
+    block = fused_experts({k: _as_torch(v) for k, v in block.items()}, model_type)
+    return {**{k: _as_torch(v) for k, v in own.items()},
+            **{f"layers.0.{k}": v for k, v in block.items()}}
 
 
 def _dtypes(target) -> dict[str, torch.dtype]:
