@@ -114,14 +114,26 @@ def test_every_candidate_scores_its_path_as_a_chain_does(llama, drafter_dir, sam
     assert len(scores) == 3 + 5 * 9  # depth 6: the root's 3 best, then 3 x 3 per depth
     row = {t: r for r, t in enumerate(DRAFT_IDS)}  # target id -> draft-vocabulary row
     for c in range(len(scores)):
-        path, node = [], c + 1
-        while node:
-            path.insert(0, ids[node - 1])
-            node = parents[node - 1]
-        steps = drafter.chain_logits(tokens, len(path), draft_ids=path[:-1])
-        logprobs = [_logprobs(logits, sampling) for logits in steps]
-        chain_score = sum(lp[row[t]].item() for lp, t in zip(logprobs, path))
-        assert math.isclose(scores[c], chain_score, abs_tol=1e-4), (c, path)
+        path = candidate_path(ids, parents, c)
+        score = chain_score(drafter, tokens, path, sampling, row)
+        assert math.isclose(scores[c], score, abs_tol=1e-4), (c, path)
+
+
+def candidate_path(ids: list, parents: list, c: int) -> list:
+    """Candidate c's tokens from the root down, in tree_candidates' numbering."""
+    path, node = [], c + 1
+    while node:
+        path.insert(0, ids[node - 1])
+        node = parents[node - 1]
+    return path
+
+
+def chain_score(drafter, tokens, path, sampling, row=None) -> float:
+    """The path's log-probability as the drafter's chain scores it, one step at a time;
+    `row` maps a target id to the row the drafter ranks (a draft vocabulary's)."""
+    steps = drafter.chain_logits(tokens, len(path), draft_ids=path[:-1])
+    return sum(_logprobs(logits, sampling)[row[t] if row else t].item()
+               for logits, t in zip(steps, path))
 
 
 def _logprobs(logits, sampling):

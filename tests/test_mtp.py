@@ -253,7 +253,7 @@ def test_every_tree_candidate_scores_its_path_as_a_chain_does(tmp_path, family, 
     nodes at once) equals a chain run down the same path: each tree entry saw only its
     ancestors, at its depth's RoPE position, through mlx-lm's own attention (MLA for
     DeepSeek)."""
-    from mlxspec.sampling import processed_logprobs
+    from test_eagle3_tree import candidate_path, chain_score
 
     path = WRITERS[family](tmp_path / family, vocab=16, seed=5, sharpness=2.0)
     model, _ = load_checkpoint(path, lazy=False, action="load")
@@ -263,18 +263,8 @@ def test_every_tree_candidate_scores_its_path_as_a_chain_does(tmp_path, family, 
     scores, ids, parents = drafter.tree_candidates(tokens, 16, sampling)
     assert len(scores) == 3 + 5 * 9
     for c in range(len(scores)):
-        chain, node = [], c + 1
-        while node:
-            chain.insert(0, ids[node - 1])
-            node = parents[node - 1]
-        steps = drafter.chain_logits(tokens, len(chain), draft_ids=chain[:-1])
-        total = 0.0
-        for logits, t in zip(steps, chain):
-            logits = logits.astype(mx.float32)
-            lp = logits - mx.logsumexp(logits) if sampling.greedy else \
-                processed_logprobs(logits, sampling)
-            total += lp[t].item()
-        assert abs(scores[c] - total) < 1e-4, (c, chain)
+        chain = candidate_path(ids, parents, c)
+        assert abs(scores[c] - chain_score(drafter, tokens, chain, sampling)) < 1e-4, (c, chain)
 
 
 @pytest.mark.parametrize("family", sorted(WRITERS))
