@@ -29,6 +29,9 @@ class Draft:
     tokens: Any  # list[int] on the host, or a backend array of shape (K,)
     probs: Any = None
     parents: tuple[int, ...] | None = None
+    # (E, hidden): the target's own first E layers already ran on [pending, drafts], hidden
+    # (K + 1, H) their output, their caches extended (LayerSkip): the pass runs layers E.. only.
+    early_exit: tuple[int, Any] | None = None
 
     def __len__(self):
         return len(self.tokens) if isinstance(self.tokens, list) else int(self.tokens.shape[0])
@@ -151,6 +154,10 @@ class Drafter:
         if budget is not None:
             self.default_num_draft = self.max_draft = budget
             self.drafts_trees = True
+
+    def bind(self, target: "Target") -> None:
+        """The target this drafter drafts for, before `begin`: a drafter that runs part of the
+        target itself (LayerSkip) keeps it; the rest need only tokens and features."""
 
     def begin(self, prompt: list[int], features: Any = None) -> None:
         """A new sequence starts: `prompt` is in the target cache except its last token."""
@@ -370,6 +377,7 @@ def speculative_tokens(
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     max_k = draft_limit(drafter, num_draft)
     tokens = list(prompt)
+    drafter.bind(target)
     drafter.begin(tokens, target.prefill(tokens))
     if isinstance(adaptive, AdaptiveDraftLength):
         policy = adaptive

@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
+from .early_exit import late_forward
 from .engine import Draft, Pass, Verdict
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
 from .prompt_cache import KeptCache
@@ -120,9 +121,16 @@ class MLXTarget:
                     f"model uses {', '.join(bad)}, which cannot. Use --drafter none."
                 )
 
-    def _forward(self, tokens: mx.array, cache: list | None = None):
+    def _forward(self, tokens: mx.array, cache: list | None = None, early_exit=None):
+        """Logits (n, V) and captured features of `tokens`; with early_exit (E, hidden), the
+        first E layers already ran on them (LayerSkip's draft) and only layers E.. run."""
+        cache = self.cache if cache is None else cache
         with capture_layer_outputs(self.model, self.capture_layers) as hidden:
-            logits = self.model(tokens[None], cache=self.cache if cache is None else cache)
+            if early_exit is None:
+                logits = self.model(tokens[None], cache=cache)
+            else:
+                exit_layer, states = early_exit
+                logits = late_forward(self.model, tokens[None], cache, exit_layer, states[None])
         features = concat_features(hidden)[0] if hidden else None
         return logits[0], features
 
@@ -163,7 +171,7 @@ class MLXTarget:
         states = [list(c.cache) for c in self._recurrent] if undoable else None
         with (record_inputs(self._mixers if undoable else []) as calls,
               state_tape(self._taped if undoable else []) as tape):
-            logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
+            logits, features = self._forward(inputs, early_exit=draft.early_exit)  # (K+1, V)
         self._last_pass = (states, inputs, self._replays(calls), tape) if undoable else None
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)

@@ -35,6 +35,9 @@ class LookupFirstDrafter(Drafter):
         """Whether lookup drafts the step after `tokens` (pending last)."""
         return bool(self.lookup.continuation(tokens, 1))
 
+    def bind(self, target) -> None:
+        self.model_drafter.bind(target)
+
     def begin(self, prompt, features=None):
         self.lookup.begin(prompt)
         self.model_drafter.begin(prompt, features)

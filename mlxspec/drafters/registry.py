@@ -323,3 +323,13 @@ register(DrafterKind(
     ),
     unavailable=lazy("mlxspec.drafters.mtp", "why_unavailable"),
 ))
+register(DrafterKind(
+    "layerskip",
+    {"mlx": lazy("mlxspec.drafters.layerskip", "load_layerskip_drafter")},
+    options=(DrafterOption(
+        "exit_layer", "--exit-layer", type=int, minimum=1,
+        help="LayerSkip: draft with the target's first N layers, then its final norm and head "
+             "(default: half its depth). Any model works untrained, but its early layers "
+             "rank tokens poorly; checkpoints trained for early exit (Meta's layerskip-llama3.2-1B, "
+             "layerskip-llama2-7B, layerskip-codellama-7B) accept far more."),),
+))

@@ -1,0 +1,91 @@
+"""LayerSkip self-speculation (Elhoushi et al., 2024): the target's first E layers draft.
+
+The draft model is the target cut after layer E - 1, with the target's own final norm and head;
+it drafts autoregressively in the target's own cache. Verification then reuses that work: the
+first E layers' keys and values of [pending, drafts] are already in their caches and their output
+is handed to the pass (Draft.early_exit), so it runs only layers E.. over those positions.
+A rejection cuts every layer's cache by the same count: both halves hold the same positions.
+
+Drafting costs E/L of a target pass per token, and an untrained model's early layers rank tokens
+poorly; models trained with layer dropout and an early-exit loss (Meta's LayerSkip Llama
+checkpoints) accept far more. Drafts stay on the device, so a step still reads the host once.
+"""
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..early_exit import early_forward, num_layers
+from ..engine import EMPTY_DRAFT, Draft, Drafter
+from ..mlx_backend import is_recurrent
+from ..sampling import SamplingConfig, processed_logprobs
+
+# The exit layer as a share of the target's depth when none is given, chosen by measurement on
+# the default SmolLM2 target (docs/benchmarks.md, "LayerSkip").
+DEFAULT_EXIT_SHARE = 0.5
+
+
+def default_exit_layer(model) -> int:
+    return max(1, min(num_layers(model) - 1, round(DEFAULT_EXIT_SHARE * num_layers(model))))
+
+
+def check_target(model, exit_layer: int) -> None:
+    """One line before any compute: an exit inside the target, whose layers all keep one kind of
+    KV cache (the late half reads the late layers' cache where the model builds its mask from
+    the first; a recurrent state would also need restoring, which this drafter does not do)."""
+    layers = num_layers(model)
+    if not 1 <= exit_layer < layers:
+        raise ValueError(f"--exit-layer must be in 1..{layers - 1} for this {layers}-layer "
+                         f"target, got {exit_layer}")
+    cache = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in cache})
+    if any(is_recurrent(c) for c in cache) or len(kinds) > 1:
+        raise ValueError(f"the layerskip drafter needs a target whose layers all keep one kind of "
+                         f"KV cache; this one mixes {', '.join(kinds)}")
+
+
+class LayerSkipDrafter(Drafter):
+    """Drafts with the target's first `exit_layer` layers, in the target's cache."""
+
+    name = "layerskip"
+    default_num_draft = 4
+
+    def __init__(self, model, exit_layer: int | None = None):
+        self.model = model
+        self.exit_layer = default_exit_layer(model) if exit_layer is None else int(exit_layer)
+        check_target(model, self.exit_layer)
+        self.cache = None
+
+    def bind(self, target) -> None:
+        if getattr(target, "model", None) is not self.model:
+            raise ValueError("the layerskip drafter drafts inside its own target's cache: build "
+                             "it for the model being decoded")
+        self.cache = target.cache
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
+        if k < 1:
+            return EMPTY_DRAFT
+        x = mx.array(tokens[-1:], dtype=mx.int32)[None]
+        drafts, probs, states = [], [], []
+        for j in range(k + 1):  # the last run only feeds draft k's states to the pass
+            logits, hidden = early_forward(self.model, x, self.cache, self.exit_layer)
+            states.append(hidden[0])
+            if j == k:
+                break
+            logits = logits[0, -1]
+            if sampling.greedy:
+                token = mx.argmax(logits)
+            else:
+                logp = processed_logprobs(logits, sampling)
+                token = mx.random.categorical(logp)
+                probs.append(mx.exp(logp))
+            drafts.append(token)
+            x = token.reshape(1, 1).astype(mx.int32)
+        return Draft(tokens=mx.stack(drafts).astype(mx.int32),
+                     probs=mx.stack(probs) if probs else None,
+                     early_exit=(self.exit_layer, mx.concatenate(states, axis=0)))
+
+
+def load_layerskip_drafter(path=None, *, model, tokenizer=None, exit_layer: int | None = None):
+    """LayerSkip for mlx-lm target `model`, exiting after `exit_layer` layers (default: half
+    the target's depth). Needs no checkpoint: `path` is ignored (the registry passes None)."""
+    return LayerSkipDrafter(model, exit_layer)
