@@ -87,12 +87,17 @@ def safetensors_problem(path: Path) -> str | None:
     return _safetensors_header(path)[1]
 
 
-def safetensors_names(path: Path) -> list[str]:
-    """The tensor names in a safetensors file's header, without reading tensors."""
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in a safetensors file's header, without reading tensors."""
     header, problem = _safetensors_header(path)
     if problem:
         raise ValueError(f"{path}: {problem}")
-    return [name for name in header if name != "__metadata__"]
+    return {name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"}
+
+
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names in a safetensors file's header, without reading tensors."""
+    return list(safetensors_shapes(path))
 
 
 def check_safetensors(files: Iterable[Path]) -> None:

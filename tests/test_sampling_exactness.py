@@ -58,7 +58,7 @@ def sample_counts(model, drafter, sampling, num_draft=2):
     mx.random.seed(1234)
     counts = Counter()
     for _ in range(SAMPLES):
-        target = MLXTarget(model, speculative=True)
+        target = MLXTarget(model, capture_layers=drafter.capture_layers, speculative=True)
         out = speculative_tokens(
             target, drafter, PROMPT, sampling=sampling, max_tokens=LENGTH, num_draft=num_draft,
             stats=SpecStats(),

@@ -139,14 +139,23 @@ class DFlashDrafter(Drafter):
         """The block's slots' best tokens, read to the host (the tree's shape depends on their
         probabilities), grown into the `budget` most probable branches (DDTree)."""
         logprobs = nn.log_softmax(self.block_logits(tokens, slots).astype(mx.float32), axis=-1)
-        best = mx.argsort(-logprobs, axis=-1)[:, : self.tree_width]
-        ids = best if self.draft_ids is None else self.draft_ids[best]
-        scores = mx.take_along_axis(logprobs, best, axis=-1).tolist()
-        drafts, shape = best_first_drafts(scores, ids.tolist(), budget)
-        return Draft(tokens=drafts, parents=shape.parents)
+        return best_first_draft(logprobs, self.tree_width, budget, self.draft_ids)
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         self._append(verdict.features)
+
+
+def best_first_draft(logprobs: mx.array, width: int, budget: int, ids=None) -> Draft:
+    """A DDTree draft from independent per-depth distributions, logprobs (depth, rows): each
+    depth's `width` best rows (target ids through `ids`, a draft vocabulary's, when given) read
+    to the host once, grown into the `budget` most probable branches. Children are
+    deterministic (Draft.probs None), which the tree rule keeps lossless when sampling too."""
+    best = mx.argsort(-logprobs, axis=-1)[:, :width]
+    scores = mx.take_along_axis(logprobs, best, axis=-1)
+    ids = best if ids is None else ids[best]
+    mx.eval(scores, ids)
+    drafts, shape = best_first_drafts(scores.tolist(), ids.tolist(), budget)
+    return Draft(tokens=drafts, parents=shape.parents)
 
 
 def check_tree(budget: int | None, width: int) -> tuple[int | None, int]:

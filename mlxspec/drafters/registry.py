@@ -249,12 +249,13 @@ def shipped(kind: str) -> Callable[[Any], Any]:
 TREE_BUDGET = DrafterOption(
     "tree_budget", "--tree-budget", type=int, minimum=1,
     help="Draft a tree of up to N nodes each step, verified in one pass, instead of a chain "
-         "(DFlash: DDTree, grown best-first from each block slot's best tokens; EAGLE-3 and "
-         "MTP: EAGLE-2's dynamic tree); the budget used is chosen by measured throughput.")
+         "(DFlash and Medusa: DDTree, grown best-first from each block slot's or head's best "
+         "tokens; EAGLE-3 and MTP: EAGLE-2's dynamic tree); the budget used is chosen by "
+         "measured throughput.")
 TREE_WIDTH = DrafterOption(
     "tree_width", "--tree-width", type=int, default=4, minimum=1,
-    help="With --tree-budget: the most children a tree node may have (DFlash: the best tokens "
-         "of each block slot; EAGLE-3, MTP: each expanded node's best tokens, and nodes "
+    help="With --tree-budget: the most children a tree node may have (DFlash, Medusa: the best "
+         "tokens of each block slot or head; EAGLE-3, MTP: each expanded node's best tokens, and nodes "
          "expanded per depth).")
 
 register(DrafterKind("none", host_only(PlainDecoding)))
@@ -332,4 +333,14 @@ register(DrafterKind(
              "(default: half its depth). Any model works untrained, but its early layers "
              "rank tokens poorly; checkpoints trained for early exit (Meta's layerskip-llama3.2-1B, "
              "layerskip-llama2-7B, layerskip-codellama-7B) accept far more."),),
+))
+register(DrafterKind(
+    "medusa",
+    {"mlx": lazy("mlxspec.drafters.medusa", "load_medusa_drafter")},
+    options=(TREE_BUDGET, TREE_WIDTH),
+    checkpoint=Checkpoint(
+        "Medusa heads trained for this target (a directory with config.json and "
+        "medusa_lm_head.safetensors, as `mlxspec train medusa` writes and Medusa publishes)",
+        check=lazy("mlxspec.drafters.medusa", "check_medusa_checkpoint"),
+    ),
 ))
