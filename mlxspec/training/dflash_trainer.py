@@ -493,6 +493,26 @@ def sequence_features(target, tokens: list[int], layer_ids, inv_scale, target_la
     return (feats * inv_scale if inv_scale is not None else feats), labels
 
 
+def features_batch(target, sequences: list[list[int]], layer_ids, inv_scale, target_labels: bool,
+                   feature_target=None) -> list[tuple]:
+    """sequence_features of each sequence, from the MLX target or, given one, from a torch copy
+    of it (`feature_target`: one padded pass; ~4x faster on a Linux CPU)."""
+    if feature_target is None:
+        return [sequence_features(target, tokens, layer_ids, inv_scale, target_labels)
+                for tokens in sequences]
+    from ..torch_backend.dflash_training import target_features_batch
+
+    feats, predicted = target_features_batch(feature_target, sequences, layer_ids,
+                                             predictions=target_labels)
+    out = []
+    for b, tokens in enumerate(sequences):
+        f = mx.array(feats[b].cpu().numpy())
+        labels = None if predicted is None else mx.array(
+            shifted_labels(tokens, predicted[b].cpu().numpy()), dtype=mx.int32)
+        out.append((f * inv_scale if inv_scale is not None else f, labels))
+    return out
+
+
 class DFlashRecipe(Recipe):
     """DFlash (block drafting from target features): anchors drawn in the answer, blocks of
     `block_size`, slot weights exp(-(k-1)/gamma); see the module docstring."""
