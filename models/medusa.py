@@ -182,12 +182,13 @@ def check_checkpoint(path: Path, hidden: int, vocab: int) -> dict:
     return {**settings, "own_projection": own}
 
 
-def load_heads(path: Path, hidden: int, vocab: int, target_head=None) -> MedusaHeads:
+def load_heads(path: Path, hidden: int, vocab: int, target_head=None, dtype=None) -> MedusaHeads:
     """The heads of checkpoint directory `path`, checked against the target's sizes;
-    `target_head` projects heads that have no projection of their own."""
+    `target_head` projects heads that have no projection of their own; `dtype`: cast to it."""
     path = Path(path)
     settings = check_checkpoint(path, hidden, vocab)
-    tensors = {published_name(k): v for k, v in mx.load(str(weights_file(path))).items()}
+    tensors = {published_name(k): v if dtype is None else v.astype(dtype)
+               for k, v in mx.load(str(weights_file(path))).items()}
     heads = MedusaHeads(settings["num_heads"], settings["num_layers"], hidden, vocab,
                         settings["own_projection"])
     layers = settings["num_layers"]

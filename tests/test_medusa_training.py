@@ -113,3 +113,32 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path):
     assert result.output.strip().splitlines()[-1] == \
         "Error: Invalid value for --heads: must be >= 1, got 0"
     assert not (tmp_path / "x").exists()
+
+
+def test_packaged_heads_are_found_for_their_target_and_kind_only(target, tmp_path, monkeypatch):
+    """package_drafter(kind="medusa", weights_file=...): bf16 heads and target.json naming the
+    kind; `load_drafter("medusa")` without a path finds them (cast to the target's dtype, and
+    decoding losslessly), the other kinds' lookups do not, nor does another target."""
+    import mlxspec
+    import mlxspec.drafters.dflash as dflash_module
+    from mlxspec.training.run import package_drafter
+
+    _train(target, tmp_path / "run", steps=2)
+    dest = package_drafter(tmp_path / "run", tmp_path / "trained" / "tiny", target, kind="medusa",
+                           weights_file="medusa_lm_head.safetensors")
+    assert mx.load(str(dest / "medusa_lm_head.safetensors"))["0.0.linear.weight"].dtype == \
+        mx.bfloat16
+    assert json.loads((dest / "target.json").read_text())["drafter"] == "medusa"
+    monkeypatch.setattr(dflash_module, "TRAINED_DIR", tmp_path / "trained")
+    drafter = mlxspec.load_drafter("medusa", model=target, tokenizer=None)
+    assert drafter.heads.dtype == mx.float32
+    outs = [[t for t, _ in speculative_tokens(
+        MLXTarget(target, capture_layers=d.capture_layers, speculative=True), d, [9, 4, 4, 17],
+        sampling=SamplingConfig(), max_tokens=16, num_draft=3, stats=SpecStats())]
+        for d in (PlainDecoding(), drafter)]
+    assert outs[1] == outs[0]
+    with pytest.raises(ValueError, match="ships one only"):
+        mlxspec.load_drafter("eagle3", model=target, tokenizer=None)
+    other = tiny_llama(vocab=VOCAB, hidden=32, layers=3, seed=7, sharpness=3.0)
+    with pytest.raises(ValueError, match="ships one only"):
+        mlxspec.load_drafter("medusa", model=other, tokenizer=None)

@@ -23,9 +23,11 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
     kind: "none", "lookup" (options: max_ngram, min_ngram), "draft" (path: a draft model with
     the target's tokenizer, as a converted directory, a .gguf file or a Hugging Face repo id),
     "dflash" (path: a DFlash drafter checkpoint for this target; default: the one shipped for it;
-    options: block_size, draft_vocab), or "draft+lookup" and "dflash+lookup" draft by prompt
-    lookup where it finds a match and by that model elsewhere (path and options are the model's);
-    or any other kind in `mlxspec.drafters.registry`.
+    options: block_size, draft_vocab), "eagle3", "mtp", "medusa" (path: Medusa heads trained
+    for this target; default: the ones shipped for it), "layerskip" (no path; option:
+    exit_layer), or "X+lookup" for a model drafter X drafts by prompt lookup where it finds a
+    match and by that model elsewhere (path and options are the model's); or any other kind in
+    `mlxspec.drafters.registry`.
     A transformers `model` (the torch backend) gets the torch twins of the model drafters.
     """
     entry = drafter_kind(kind)

@@ -23,7 +23,14 @@ from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..hidden_states import decoder_layers
 from ..models.medusa import check_checkpoint, load_heads
 from ..sampling import SamplingConfig, processed_logprobs
-from .dflash import best_first_draft, check_tree, target_final_norm, target_head, target_sizes
+from .dflash import (
+    best_first_draft,
+    check_tree,
+    target_embedding,
+    target_final_norm,
+    target_head,
+    target_sizes,
+)
 
 
 class MedusaDrafter(Drafter):
@@ -85,6 +92,13 @@ def load_medusa_drafter(path, *, model, tokenizer=None, tree_budget: int | None 
     nodes, `tree_width` best tokens per head, instead of a chain."""
     check_tree(tree_budget, tree_width)
     hidden, vocab, _ = target_sizes(model)
-    heads = load_heads(Path(path), hidden, vocab, target_head(model))
+    heads = load_heads(Path(path), hidden, vocab, target_head(model), dtype=compute_dtype(model))
     return MedusaDrafter(heads, model, tree_budget=tree_budget, tree_width=tree_width)
 
+
+
+def compute_dtype(model):
+    """The target's floating dtype (a quantized target's scales'): heads stored in bf16 to ship
+    small run in the dtype of the hidden states they read."""
+    embedding = target_embedding(model)
+    return getattr(embedding, "scales", embedding.weight).dtype

@@ -361,20 +361,21 @@ def write_checkpoint_files(out: Path, config: dict, tensors: dict[str, mx.array]
 
 
 def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfloat16,
-                    notes: dict | None = None) -> Path:
+                    notes: dict | None = None, weights_file: str = "model.safetensors") -> Path:
     """Copy a trained checkpoint into `dest` as a shippable drafter: config.json, the floating
     weights in `dtype` (bf16 halves the size; loading casts to the target's dtype; integer and
     boolean tensors such as EAGLE-3's d2t/t2d stay as they are), a DFlash draft vocabulary if
     any, and target.json, which names the drafter kind and the target it was trained for (sizes
-    and embedding checksum) so that `--drafter KIND` finds it for that target only."""
+    and embedding checksum) so that `--drafter KIND` finds it for that target only.
+    `weights_file`: the checkpoint's tensors (Medusa's are medusa_lm_head.safetensors)."""
     from ..drafters.dflash import embedding_checksum
     from ..models.dflash import DRAFT_VOCAB_FILE
 
     run_dir, dest = Path(run_dir), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-               for k, v in mx.load(str(run_dir / "model.safetensors")).items()}
-    _atomic_save_safetensors(dest / "model.safetensors", weights)
+               for k, v in mx.load(str(run_dir / weights_file)).items()}
+    _atomic_save_safetensors(dest / weights_file, weights)
     config = json.loads((run_dir / "config.json").read_text())
     config["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
     _atomic_write_text(dest / "config.json", json.dumps(config, indent=2) + "\n")
