@@ -85,6 +85,12 @@ RUN = [
 ]
 
 
+FEATURES_WITH = click.option(
+    "--features-with", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
+    help="Backend of the frozen target's feature pass (torch: ~4x faster on a Linux CPU; needs "
+         "mlxspec[torch]); the drafter's steps run on MLX.")
+
+
 def check_run_options(options: dict) -> None:
     """One-line errors for the shared options, before anything loads."""
     for name in ("steps", "batch_size", "save_every"):
@@ -212,10 +218,7 @@ def dflash(target, dtype, generate_with, backend, device, **options):
               help="Draft vocabulary: the N most frequent answer tokens (d2t maps them to target "
                    "ids; the loss and drafting read only their head rows). Default: the full "
                    "vocabulary.")
-@click.option("--features-with", type=click.Choice(["mlx", "torch"]), default="mlx",
-              show_default=True,
-              help="Backend of the frozen target's feature pass (torch: ~4x faster on a Linux "
-                   "CPU; needs mlxspec[torch]); the drafter's steps run on MLX.")
+@FEATURES_WITH
 @shared(RUN)
 def eagle3(target, dtype, generate_with, features_with, **options):
     """Train an EAGLE-3 drafter for TARGET on PROMPTS (MLX); resumable with --resume."""
@@ -253,10 +256,7 @@ def eagle3(target, dtype, generate_with, features_with, **options):
 @click.option("--loss-vocab", type=int, default=None,
               help="Train against the N most frequent answer tokens' head rows only (cheaper "
                    "steps; drafting keeps the full head). Default: the full vocabulary.")
-@click.option("--features-with", type=click.Choice(["mlx", "torch"]), default="mlx",
-              show_default=True,
-              help="Backend of the frozen target's pass (torch: ~4x faster on a Linux CPU; needs "
-                   "mlxspec[torch]); the heads' steps run on MLX.")
+@FEATURES_WITH
 @shared(RUN)
 def medusa(target, dtype, generate_with, features_with, **options):
     """Train Medusa heads for TARGET on PROMPTS (MLX); resumable with --resume."""

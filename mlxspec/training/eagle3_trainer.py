@@ -39,6 +39,7 @@ from .run import (
     RunSettings,
     TrainResult,
     fold_feature_scale,
+    predictions_ahead,
     torch_features,
     train,
     write_checkpoint_files,
@@ -270,10 +271,7 @@ class Eagle3Recipe(Recipe):
                                  feature_target=self.feature_target, **options)
 
     def example(self, rng, tokens, prompt_len):
-        T = len(tokens)
-        first = max(T - max(prompt_len, 2), 0)  # step-0 predictions of answer tokens
-        trained = sum(max(T - max(prompt_len, 2 + s), 0) for s in range(self.ttt_steps))
-        return prompt_len, trained, first
+        return predictions_ahead(tokens, prompt_len, self.ttt_steps)
 
     def write(self, out, config, weights, inv_scale, loss_ids):
         vocab = int(config["transformer_layer_config"]["vocab_size"])

@@ -15,20 +15,26 @@ head; with a loss vocabulary only its rows train, and the checkpoint's projectio
 target's head with those rows replaced (the published Medusa-1 layout either way).
 """
 
-import json
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafters.dflash import target_final_norm, target_head, target_sizes
+from ..drafters.dflash import target_head, target_sizes
 from ..drafters.medusa import MedusaDrafter
 from ..hidden_states import decoder_layers
 from ..models.medusa import WEIGHTS, MedusaHeads, parameter_name, published_weights
-from .data import _atomic_save_safetensors, _atomic_write_text
 from .dflash_trainer import features_batch, head_weight
 from .eagle3_trainer import label_map_of
-from .run import STATE_DIR, MLXTraining, Recipe, RunSettings, TrainResult, torch_features, train
+from .run import (
+    MLXTraining,
+    Recipe,
+    RunSettings,
+    TrainResult,
+    predictions_ahead,
+    torch_features,
+    train,
+    write_checkpoint_files,
+)
 
 NUM_HEADS = 3
 HEAD_DECAY = 0.8  # the Medusa paper's λ_i = 0.8^i
@@ -172,18 +178,11 @@ class MedusaRecipe(Recipe):
                                  feature_target=self.feature_target, **options)
 
     def example(self, rng, tokens, prompt_len):
-        T = len(tokens)
-        first = max(T - max(prompt_len, 2), 0)  # head-0 predictions of answer tokens
-        trained = sum(max(T - max(prompt_len, 2 + i), 0) for i in range(self.num_heads))
-        return prompt_len, trained, first
+        return predictions_ahead(tokens, prompt_len, self.num_heads)
 
     def write(self, out, config, weights, inv_scale, loss_ids):
         tensors = export_weights(weights, self.settings(config), self.target, loss_ids)
-        out.mkdir(parents=True, exist_ok=True)
-        state = out / STATE_DIR
-        state.mkdir(exist_ok=True)
-        _atomic_save_safetensors(out / WEIGHTS, tensors, tmp_dir=state)
-        _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+        write_checkpoint_files(out, config, tensors, weights_file=WEIGHTS)
 
     def drafter(self, config, weights, inv_scale, target, loss_ids):
         hidden, vocab, _ = target_sizes(target)

@@ -167,6 +167,16 @@ class Recipe:
         return {k: getattr(self, k) for k in self.state_keys}
 
 
+def predictions_ahead(tokens: list[int], prompt_len: int, depths: int) -> tuple[int, int, int]:
+    """A Recipe.example for drafters whose depth s (0-based) predicts from each position the
+    token 2 + s ahead (EAGLE-3's TTT steps, Medusa's heads), trained on answer tokens only:
+    (the prompt length, the predictions made, the depth-0 ones)."""
+    T = len(tokens)
+    first = max(T - max(prompt_len, 2), 0)
+    trained = sum(max(T - max(prompt_len, 2 + s), 0) for s in range(depths))
+    return prompt_len, trained, first
+
+
 class MLXTraining:
     """The MLX training math every recipe shares: AdamW over the drafter's parameters, one
     clipped step, the optimizer state on disk. A subclass builds `self.model`, calls
@@ -350,13 +360,15 @@ def fold_feature_scale(weights: dict, inv_scale: mx.array | None) -> dict[str, m
     return weights
 
 
-def write_checkpoint_files(out: Path, config: dict, tensors: dict[str, mx.array]) -> None:
-    """config.json + model.safetensors in `out`, each written atomically (the temporary file in
-    train_state/, never beside config.json, where a loader could pick it up)."""
+def write_checkpoint_files(out: Path, config: dict, tensors: dict[str, mx.array],
+                           weights_file: str = "model.safetensors") -> None:
+    """config.json + the tensors (model.safetensors, or Medusa's file name) in `out`, each
+    written atomically (the temporary file in train_state/, never beside config.json, where a
+    loader could pick it up)."""
     out.mkdir(parents=True, exist_ok=True)
     state = out / STATE_DIR
     state.mkdir(exist_ok=True)
-    _atomic_save_safetensors(out / "model.safetensors", tensors, tmp_dir=state)
+    _atomic_save_safetensors(out / weights_file, tensors, tmp_dir=state)
     _atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
 
 
