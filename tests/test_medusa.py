@@ -111,6 +111,12 @@ def test_greedy_output_is_the_targets(model, heads_dir, tree_budget, num_draft):
     assert 0 < stats.accepted < stats.drafted
 
 
+def test_a_one_token_prompt_drafts_from_the_first_committed_position(model, heads_dir):
+    want, _ = run(model, PlainDecoding(), [5], 12)
+    got, stats = run(model, load_medusa_drafter(heads_dir, model=model), [5], 12)
+    assert got == want and stats.drafted > 0
+
+
 def test_drafts_rejected_at_every_position_are_still_lossless(model, heads_dir):
     class Wrong(MedusaDrafter):
         def propose(self, tokens, k, sampling):
