@@ -6,7 +6,7 @@
 # tau on 8 of them, 48 tokens, greedy), for a fixed time.
 # Resumable: run it again after a stop and it continues from the last save (the schedule stays
 # the one fitted to MINUTES at the start).
-# Usage: [MINUTES=35] bash benchmarks/train_smollm2_medusa.sh
+# Usage: [MINUTES=50] bash benchmarks/train_smollm2_medusa.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MLXSPEC_CACHE="${MLXSPEC_CACHE:-$PWD/.cache}"
@@ -19,5 +19,5 @@ start=()
 .venv/bin/mlxspec train medusa --prompts sharegpt --heldout 16 --max-new-tokens 256 \
   --num-prompts 912 --data-dir data/dflash-smollm2/responses --loss-vocab 8192 \
   --features-with torch --lr 1e-3 --warmup 50 --batch-size 4 \
-  --minutes "${MINUTES:-35}" --eval-every 100 --eval-prompts 8 --eval-max-tokens 48 \
+  --minutes "${MINUTES:-50}" --eval-every 100 --eval-prompts 8 --eval-max-tokens 48 \
   --save-every 25 --out "$out" "${start[@]}"

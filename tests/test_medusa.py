@@ -222,6 +222,16 @@ def test_cli_generate_chat_and_bench(smollm_heads, tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["drafter"] for r in rows] == ["none", "medusa", "medusa:tree-budget=8"]
     assert len({r["tokens"] for r in rows}) == 1
-    result = runner.invoke(main, ["generate", "--drafter", "medusa", "-p", "x"])
-    assert result.exit_code != 0
-    assert result.output.splitlines()[-1].endswith("--drafter medusa needs --draft-model")
+    # without --drafter-model: the heads shipped for the default model
+    result = runner.invoke(main, ["generate", "--drafter", "medusa", "-n", "6", "-p", "x",
+                                  "--verbose"])
+    assert result.exit_code == 0, result.output
+    assert "Drafter: medusa (up to 3 drafts per step)" in result.output
+
+
+def test_the_shipped_heads_are_found_for_the_default_model_only(smollm, model):
+    drafter = load_drafter("medusa", model=smollm[0], tokenizer=smollm[1])
+    assert drafter.heads.num_heads == 3 and not drafter.heads.own_projection
+    assert drafter.heads.dtype == mx.float32  # shipped in bf16, run in the target's dtype
+    with pytest.raises(ValueError, match="ships one only for the default SmolLM2"):
+        load_drafter("medusa", model=model, tokenizer=None)
