@@ -181,7 +181,7 @@ def test_bad_input(target):
     with pytest.raises(ValueError, match="num_draft"):
         run(target, PromptLookupDrafter(), [1, 2], k=0)
     with pytest.raises(ValueError, match="unknown drafter"):
-        load_drafter("medusa", model=target, tokenizer=None)
+        load_drafter("hydra", model=target, tokenizer=None)
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
 

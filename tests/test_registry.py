@@ -43,7 +43,10 @@ def checkpoints(tiny_dir, tmp_path_factory):
 
     eagle3 = eagle3_dir(tmp_path_factory.mktemp("eagle3"), vocab=49152, draft_ids=list(range(16)),
                         hidden=64, target_hidden=64, ids=(1, 1, 1))
-    return {"draft": tiny_dir, "dflash": dflash, "eagle3": eagle3}
+    from test_medusa import write_heads
+
+    medusa = write_heads(tmp_path_factory.mktemp("medusa"), hidden=64, vocab=49152)
+    return {"draft": tiny_dir, "dflash": dflash, "eagle3": eagle3, "medusa": medusa}
 
 
 def choices(command, name="drafter"):
@@ -70,12 +73,12 @@ def test_every_kind_is_offered_by_the_cli():
 
 
 def test_every_kind_builds_from_the_api(tiny, checkpoints):
-    """Every kind builds on the tiny llama, but those that need what it lacks (MTP modules),
-    which say so in one line, the line bench reports when it skips them (tests/test_mtp.py
+    """Every kind builds on the tiny llama, but those that need what it lacks (MTP modules, a
+    second layer for LayerSkip), which say so in one line, the line bench reports when it skips them (tests/test_mtp.py
     builds mtp on targets that ship modules)."""
     model, tokenizer = tiny
-    lacking = {k.name for k in registry.model_drafters() if registry.why_unavailable(k.name, model)}
-    assert lacking == {"mtp"}
+    lacking = {name for name in registry._REGISTERED if registry.why_unavailable(name, model)}
+    assert lacking == {"mtp", "layerskip"}  # modules; a second layer to exit after
     assert set(checkpoints) == {k.name for k in registry.model_drafters()} - lacking
     for name, kind in registry.drafter_kinds().items():
         if kind.model_name in lacking:
@@ -86,8 +89,8 @@ def test_every_kind_builds_from_the_api(tiny, checkpoints):
         path = checkpoints.get(kind.model_name) if kind.checkpoint else None
         drafter = mlxspec.load_drafter(name, path, model=model, tokenizer=tokenizer)
         assert drafter.name == name
-    with pytest.raises(ValueError, match="unknown drafter 'medusa'; choose from none, lookup"):
-        mlxspec.load_drafter("medusa", model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="unknown drafter 'hydra'; choose from none, lookup"):
+        mlxspec.load_drafter("hydra", model=model, tokenizer=tokenizer)
 
 
 def test_lookup_forms_are_derived_for_model_drafters():

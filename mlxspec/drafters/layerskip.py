@@ -30,19 +30,31 @@ def default_exit_layer(model) -> int:
     return max(1, min(num_layers(model) - 1, round(DEFAULT_EXIT_SHARE * num_layers(model))))
 
 
+def why_unavailable(model) -> str | None:
+    """Why LayerSkip cannot run on `model` whatever the exit (None when it can): it needs two
+    layers or more, all keeping one kind of KV cache (the late half reads the late layers' cache
+    where the model builds its mask from the first; a recurrent state would also need restoring,
+    which this drafter does not do)."""
+    layers = num_layers(model)
+    if layers < 2:
+        return f"the layerskip drafter needs a target of 2 layers or more; this one has {layers}"
+    cache = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in cache})
+    if any(is_recurrent(c) for c in cache) or len(kinds) > 1:
+        return (f"the layerskip drafter needs a target whose layers all keep one kind of KV "
+                f"cache; this one mixes {', '.join(kinds)}")
+    return None
+
+
 def check_target(model, exit_layer: int) -> None:
-    """One line before any compute: an exit inside the target, whose layers all keep one kind of
-    KV cache (the late half reads the late layers' cache where the model builds its mask from
-    the first; a recurrent state would also need restoring, which this drafter does not do)."""
+    """One line before any compute: a target LayerSkip can run on, and an exit inside it."""
+    problem = why_unavailable(model)
+    if problem:
+        raise ValueError(problem)
     layers = num_layers(model)
     if not 1 <= exit_layer < layers:
         raise ValueError(f"--exit-layer must be in 1..{layers - 1} for this {layers}-layer "
                          f"target, got {exit_layer}")
-    cache = make_prompt_cache(model)
-    kinds = sorted({type(c).__name__ for c in cache})
-    if any(is_recurrent(c) for c in cache) or len(kinds) > 1:
-        raise ValueError(f"the layerskip drafter needs a target whose layers all keep one kind of "
-                         f"KV cache; this one mixes {', '.join(kinds)}")
 
 
 class LayerSkipDrafter(Drafter):
@@ -53,6 +65,9 @@ class LayerSkipDrafter(Drafter):
 
     def __init__(self, model, exit_layer: int | None = None):
         self.model = model
+        problem = why_unavailable(model)  # before the default exit, which needs 2 layers
+        if problem:
+            raise ValueError(problem)
         self.exit_layer = default_exit_layer(model) if exit_layer is None else int(exit_layer)
         check_target(model, self.exit_layer)
         self.cache = None

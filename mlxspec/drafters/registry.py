@@ -334,6 +334,7 @@ register(DrafterKind(
              "but only its late layers rank tokens well; checkpoints trained with layer dropout "
              "and an early-exit loss (Meta's layerskip-llama3.2-1B, layerskip-llama2-7B, "
              "layerskip-codellama-7B) accept far more from early layers, e.g. 4 of 32."),),
+    unavailable=lazy("mlxspec.drafters.layerskip", "why_unavailable"),
 ))
 register(DrafterKind(
     "medusa",
