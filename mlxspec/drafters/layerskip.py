@@ -46,11 +46,8 @@ def why_unavailable(model) -> str | None:
     return None
 
 
-def check_target(model, exit_layer: int) -> None:
-    """One line before any compute: a target LayerSkip can run on, and an exit inside it."""
-    problem = why_unavailable(model)
-    if problem:
-        raise ValueError(problem)
+def check_exit_layer(model, exit_layer: int) -> None:
+    """One line before any compute: an exit inside the target."""
     layers = num_layers(model)
     if not 1 <= exit_layer < layers:
         raise ValueError(f"--exit-layer must be in 1..{layers - 1} for this {layers}-layer "
@@ -69,7 +66,7 @@ class LayerSkipDrafter(Drafter):
         if problem:
             raise ValueError(problem)
         self.exit_layer = default_exit_layer(model) if exit_layer is None else int(exit_layer)
-        check_target(model, self.exit_layer)
+        check_exit_layer(model, self.exit_layer)
         self.cache = None
 
     def bind(self, target) -> None:

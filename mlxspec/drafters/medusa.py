@@ -34,6 +34,9 @@ from .dflash import (
 
 
 class MedusaDrafter(Drafter):
+    """Drafts from Medusa heads (models/medusa.py) on the target's last committed hidden state:
+    up to one token per head as a chain, or a tree of the heads' best tokens."""
+
     name = "medusa"
 
     def __init__(self, heads, target, *, tree_budget: int | None = None, tree_width: int = 4):
@@ -68,12 +71,11 @@ class MedusaDrafter(Drafter):
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         if k < 1 or self._hidden is None:
             return EMPTY_DRAFT
-        if self.tree_budget is not None:
-            logits = self.head_logits(min(k, self.heads.num_heads))
+        logits = self.head_logits(min(k, self.heads.num_heads))
+        if self.tree_budget is not None:  # k is the node budget; depth is one per head
             logprobs = (nn.log_softmax(logits, axis=-1) if sampling.greedy
                         else processed_logprobs(logits, sampling))
             return best_first_draft(logprobs, self.tree_width, k)
-        logits = self.head_logits(min(k, self.heads.num_heads))
         if sampling.greedy:
             return Draft(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
         logp = processed_logprobs(logits, sampling)
