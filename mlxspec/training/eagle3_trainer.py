@@ -136,12 +136,7 @@ def ttt_loss(model: Eagle3Model, features: mx.array, tokens: mx.array, prompt_le
     total = weight = correct = 0
     for s, h in enumerate(ttt_outputs(model, projected, tokens, steps)):
         at = mx.arange(n) + 2 + s  # the position step s ranks
-        valid = (at < T) & (at >= prompt_len)
-        y = labels[mx.minimum(at, T - 1)]
-        if label_map is not None:
-            y = label_map[y]
-            valid = valid & (y >= 0)
-            y = mx.maximum(y, 0)
+        y, valid = answer_labels(labels, at, prompt_len, label_map)
         logits = model.logits(h).astype(mx.float32)
         w = valid.astype(mx.float32) * decay**s
         total = total + (nn.losses.cross_entropy(logits, y, reduction="none") * w).sum()
@@ -149,6 +144,20 @@ def ttt_loss(model: Eagle3Model, features: mx.array, tokens: mx.array, prompt_le
         if s == 0:
             correct = ((mx.argmax(logits, axis=-1) == y) & valid).sum()
     return total, weight, correct
+
+
+def answer_labels(labels, at, prompt_len: int, label_map=None):
+    """(label rows, which count) for predictions of positions `at`: answer positions inside the
+    sequence, with a `label_map` (target id -> loss-vocabulary row, -1 outside it) also only
+    labels inside the loss vocabulary."""
+    T = labels.shape[0]
+    valid = (at < T) & (at >= prompt_len)
+    y = labels[mx.minimum(at, T - 1)]
+    if label_map is not None:
+        y = label_map[y]
+        valid = valid & (y >= 0)
+        y = mx.maximum(y, 0)
+    return y, valid
 
 
 def label_map_of(draft_ids, vocab: int) -> mx.array:

@@ -24,7 +24,7 @@ from ..drafters.medusa import MedusaDrafter
 from ..hidden_states import decoder_layers
 from ..models.medusa import WEIGHTS, MedusaHeads, parameter_name, published_weights
 from .dflash_trainer import features_batch, head_weight
-from .eagle3_trainer import label_map_of
+from .eagle3_trainer import answer_labels, label_map_of
 from .run import (
     MLXTraining,
     Recipe,
@@ -93,12 +93,7 @@ def heads_loss(model: MedusaHeads, hidden, tokens, prompt_len: int, *, label_map
     total = weight = correct = 0
     for i in range(model.num_heads):
         at = mx.arange(T) + 2 + i
-        valid = (at < T) & (at >= prompt_len)
-        y = labels[mx.minimum(at, T - 1)]
-        if label_map is not None:
-            y = label_map[y]
-            valid = valid & (y >= 0)
-            y = mx.maximum(y, 0)
+        y, valid = answer_labels(labels, at, prompt_len, label_map)
         logits = model.head(i, hidden).astype(mx.float32)
         w = valid.astype(mx.float32) * decay**i
         total = total + (nn.losses.cross_entropy(logits, y, reduction="none") * w).sum()
