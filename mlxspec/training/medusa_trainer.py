@@ -62,13 +62,10 @@ class MLXMedusaTraining(MLXTraining):
         self.target, self.grad_clip, self.feature_target = target, grad_clip, feature_target
         self.target_labels = labels == "target"
         self.layers = [len(decoder_layers(target)) - 1]
-        hidden, vocab, _ = target_sizes(target)
-        own = config["own_projection"]
-        rows = len(loss_ids) if loss_ids is not None else vocab
-        self.model = MedusaHeads(config["medusa_num_heads"], config["medusa_num_layers"], hidden,
-                                 rows, own)
+        _, vocab, _ = target_sizes(target)
+        self.model = training_heads(config, target, loss_ids)
         self.model.load_weights(list(weights.items()))
-        if not own:
+        if not config["own_projection"]:
             self.model.use_target_head(LossHead(target, loss_ids))
         mx.eval(self.model.parameters())
         self.label_map = label_map_of(loss_ids, vocab) if loss_ids is not None else None
@@ -103,22 +100,29 @@ def heads_loss(model: MedusaHeads, hidden, tokens, prompt_len: int, *, label_map
     return total, weight, correct
 
 
+def training_heads(config: dict, target, loss_ids) -> MedusaHeads:
+    """Heads shaped as training holds them: projections (if own) over the loss vocabulary."""
+    hidden, vocab, _ = target_sizes(target)
+    return MedusaHeads(config["medusa_num_heads"], config["medusa_num_layers"], hidden,
+                       len(loss_ids) if loss_ids is not None else vocab, config["own_projection"])
+
+
 def export_weights(weights: dict, config: dict, target, loss_ids) -> dict[str, mx.array]:
     """Published tensors (unprefixed, as the reference's training saves its head list): the
     blocks, and with own projections each one full-size, the target's head outside the loss
     vocabulary's rows."""
-    hidden, vocab, _ = target_sizes(target)
-    heads = MedusaHeads(config["medusa_num_heads"], config["medusa_num_layers"], hidden,
-                        len(loss_ids) if loss_ids is not None else vocab,
-                        config["own_projection"])
+    heads = training_heads(config, target, loss_ids)
     heads.load_weights(list(weights.items()))
+    widen = config["own_projection"] and loss_ids is not None
+    if widen:
+        rows = mx.array(loss_ids, dtype=mx.int32)
+        full = head_weight(target_head(target))
     out = {}
     for name, value in published_weights(heads).items():
         name = name.removeprefix("medusa_head.")
-        if name.endswith(f".{heads.num_layers}.weight") and loss_ids is not None:
-            full = head_weight(target_head(target)).astype(value.dtype)
-            value = full.at[mx.array(loss_ids, dtype=mx.int32)].add(
-                value - full[mx.array(loss_ids, dtype=mx.int32)])
+        if widen and name.endswith(f".{heads.num_layers}.weight"):
+            head = full.astype(value.dtype)
+            value = head.at[rows].add(value - head[rows])
         out[name] = value
     return out
 
@@ -150,10 +154,7 @@ class MedusaRecipe(Recipe):
     def fresh_weights(self, config, target, loss_ids):
         """Blocks zero (each head starts as the identity); own projections start as the
         target's head rows."""
-        hidden, vocab, _ = target_sizes(target)
-        rows = len(loss_ids) if loss_ids is not None else vocab
-        heads = MedusaHeads(config["medusa_num_heads"], config["medusa_num_layers"], hidden,
-                            rows, bool(self.own_projection))
+        heads = training_heads(self.settings(config), target, loss_ids)
         weights = {k: mx.zeros_like(v) for k, v in tree_flatten(heads.parameters())}
         if self.own_projection:
             head = head_weight(target_head(target)).astype(mx.float32)
