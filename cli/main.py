@@ -8,6 +8,7 @@ from mlxspec import _blas
 
 _blas.preload_openblas()
 
+from mlxspec.distributed import DistributedError  # noqa: E402
 from mlxspec.drafters import registry  # noqa: E402  (after OpenBLAS is loaded above)
 from mlxspec.loading import BACKENDS  # noqa: E402
 
@@ -33,7 +34,7 @@ def _user_errors() -> tuple:
     converting: one line each from the CLI. OSError covers permissions and disk space."""
     from mlxspec.loading import MissingExtraError
 
-    return (ValueError, OSError, MissingExtraError)
+    return (ValueError, OSError, MissingExtraError, DistributedError)
 
 
 def model_options(f):
@@ -50,6 +51,32 @@ def model_options(f):
                      help="Model directory, .gguf file or HF repo id. Default: the embedded "
                           "SmolLM2-135M-Instruct.")(f)
     return f
+
+
+def shard_option(f):
+    return click.option(
+        "--shard", type=click.Choice(["pipeline", "tensor"]), default="pipeline",
+        show_default=True,
+        help="Under mlx.launch (two or more ranks): split the target by layers across the ranks "
+             "(pipeline), or split every layer (tensor; the head counts must divide).")(f)
+
+
+def split_target(target, ctx=None):
+    """Under mlx.launch: the other ranks follow rank 0's passes until it shuts them down, then
+    exit here; rank 0 shuts them down when its command ends, however it ends."""
+    from mlxspec.distributed import follower, stage_of
+
+    stage = stage_of(target)
+    if stage is None:
+        return
+    if stage.leads:
+        (ctx or click.get_current_context()).call_on_close(stage.link.shutdown)
+        return
+    try:
+        follower(target).serve()
+    except DistributedError as err:
+        _fail(err)
+    sys.exit(0)  # the command's work was rank 0's
 
 
 def decoding_options(f):
@@ -139,11 +166,27 @@ def _check_backend(backend, device):
         raise click.BadParameter("applies to --backend torch only", param_hint="--device")
 
 
-def _load_all(model, dtype, backend, device, drafter, draft_model, options, verbose):
+def load_target(model, dtype, backend, device, shard):
+    """The target, split across the ranks when mlx.launch started several (see split_target)."""
+    import mlxspec
+    from mlxspec.distributed import launched
+
+    if launched() and backend != "mlx":
+        raise click.BadParameter("a target split across ranks runs on mlx only",
+                                 param_hint="--backend")
+    try:
+        return mlxspec.load(model, dtype=dtype, backend=backend, device=device,
+                            shard=shard if launched() else None)
+    except _user_errors() as err:
+        _fail(err)
+
+
+def _load_all(model, dtype, backend, device, drafter, draft_model, options, verbose, shard):
     import mlxspec
 
+    target, tokenizer = load_target(model, dtype, backend, device, shard)
+    split_target(target)
     try:
-        target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
         spec = mlxspec.load_drafter(drafter, draft_model, model=target, tokenizer=tokenizer,
                                     **_options_for(drafter, options))
     except _user_errors() as err:
@@ -179,11 +222,12 @@ def main():
 @main.command()
 @click.option("--prompt", "-p", required=True, help="The prompt; '-' reads it from stdin.")
 @model_options
+@shard_option
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
-def generate(prompt, model, dtype, backend, device, drafter, draft_model, num_draft, adaptive,
-             max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, verbose,
-             **drafter_options):
+def generate(prompt, model, dtype, backend, device, shard, drafter, draft_model, num_draft,
+             adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template,
+             verbose, **drafter_options):
     """Generate a reply to one prompt."""
     import mlxspec
     from mlxspec.generate import format_stats
@@ -196,7 +240,7 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, num_dr
                     temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
-                                        drafter_options, verbose)
+                                        drafter_options, verbose, shard)
     text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
                         no_chat_template)
     last = None
@@ -206,7 +250,7 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, num_dr
             adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
         ):
             click.echo(last.text, nl=False)
-    except ValueError as err:
+    except (ValueError, DistributedError) as err:
         _fail(err)
     click.echo()
     if verbose and last is not None:
@@ -216,11 +260,13 @@ def generate(prompt, model, dtype, backend, device, drafter, draft_model, num_dr
 
 @main.command()
 @model_options
+@shard_option
 @decoding_options
 @click.option("--color/--no-color", default=None,
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
-def chat(model, dtype, backend, device, drafter, draft_model, num_draft, adaptive, max_tokens,
-         temp, top_p, top_k, min_p, seed, system, no_chat_template, color, **drafter_options):
+def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, adaptive,
+         max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, color,
+         **drafter_options):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
     from mlxspec.generate import BACKEND_PARTS
@@ -229,7 +275,7 @@ def chat(model, dtype, backend, device, drafter, draft_model, num_draft, adaptiv
                     temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
-                                        drafter_options, False)
+                                        drafter_options, False, shard)
     color = sys.stdout.isatty() if color is None else color
     prompt_cache = BACKEND_PARTS[backend]().prompt_cache()  # turns prefill only what is new
     history = []
@@ -265,6 +311,8 @@ def chat(model, dtype, backend, device, drafter, draft_model, num_draft, adaptiv
                 click.echo(shown, nl=False)
         except KeyboardInterrupt:
             click.echo("\n(interrupted)")
+        except DistributedError as err:  # another rank is gone: no later turn can run
+            _fail(err)
         except ValueError as err:  # e.g. the conversation outgrew the context window
             history.pop()
             click.echo(f"\nError: {err}", err=True)

@@ -13,8 +13,11 @@ from mlxspec.cli.main import (
     _fail,
     _options_for,
     _user_errors,
+    load_target,
     main,
     model_options,
+    shard_option,
+    split_target,
 )
 from mlxspec.cli.train import shared
 
@@ -32,6 +35,7 @@ def _model_id(model: str | None) -> str:
 
 @main.command()
 @model_options
+@shard_option
 @shared([
     click.option("--drafter", type=DrafterChoice(), default="none", show_default=True,
                  help="The drafter of requests that name none (their body's \"drafter\"); "
@@ -49,22 +53,25 @@ def _model_id(model: str | None) -> str:
     click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
                  help="Requests that may wait for the model; more are answered 429."),
 ])
-def serve(model, dtype, backend, device, drafter, draft_model, host, port, api_key, max_queue,
-          **drafter_options):
+def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port, api_key,
+          max_queue, **drafter_options):
     """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'mlxspec[server]').
 
     \b
     curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}'
     """
-    import mlxspec
     from mlxspec.server import _require_server_extra, make_server
 
     _check_decoding(None, 1, drafter, draft_model, drafter_options)
     _check_backend(backend, device)
     try:
         _require_server_extra()
-        target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
+    except _user_errors() as err:
+        _fail(err)
+    target, tokenizer = load_target(model, dtype, backend, device, shard)
+    split_target(target)  # under mlx.launch, ranks other than 0 serve rank 0's passes
+    try:
         server = make_server(target, tokenizer, drafter=drafter, draft_model=draft_model,
                              model_id=_model_id(model), api_key=api_key, max_queue=max_queue,
                              **_options_for(drafter, drafter_options))

@@ -156,6 +156,8 @@ def load(
     backend: str = "mlx",
     device: str | None = None,
     torch_dtype: str | None = None,
+    shard: str | None = None,
+    group=None,
 ):
     """Load (model, tokenizer). With no argument: the embedded SmolLM2-135M-Instruct.
 
@@ -164,8 +166,16 @@ def load(
     `backend="torch"` loads the same converted directory with transformers instead, on `device`
     (default: cuda when available, else cpu) in `torch_dtype` (default: bfloat16 on CUDA, float32
     elsewhere); the tokenizer is the same mlx-lm wrapper either way.
+    `shard` ("pipeline" or "tensor"), in a process started by `mlx.launch`, loads only this
+    rank's share of the target, split across `group` (default: `mx.distributed.init()`); every
+    rank then calls the same generation functions and rank 0's output is the target's own (see
+    mlxspec.distributed). In a single process it loads the whole model.
     """
     check_backend(backend)
+    if shard is not None:
+        if backend != "mlx":
+            raise ValueError("a split target (shard=...) runs on the mlx backend only")
+        return _load_split(path_or_repo, dtype, shard, group)
     if backend == "mlx" and (device is not None or torch_dtype is not None):
         raise ValueError("device and torch_dtype apply to the torch backend only (backend='torch')")
     if backend == "torch":
@@ -191,5 +201,34 @@ def load(
     # mlx_lm.load, with the config read as transformers 5 writes it (a Hugging Face directory
     # of a hybrid model loads as it converts); missing or misshapen weights are one line.
     model, config = load_checkpoint(model_dir, lazy=False, action="load")
+    setattr(model, SOURCE, model_dir)
+    return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+
+
+def _load_split(path_or_repo, dtype: str, sharding: str, group):
+    """Rank 0 resolves (converts) the model first, then the others do (on their own machine, or
+    finding rank 0's conversion on a shared disk); each reads only its own layers' weights."""
+    import mlx.core as mx
+
+    from . import _blas, distributed
+
+    distributed.check_sharding(sharding)
+    group = group if group is not None else mx.distributed.init()
+    _blas.preload_openblas()
+    if group.size() == 1:
+        return load(path_or_repo, dtype=dtype)
+    from mlx_lm.utils import load_tokenizer
+
+    from .converters.hf import load_checkpoint
+
+    if group.rank() == 0:
+        model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
+    distributed.barrier(group)
+    if group.rank() != 0:
+        model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
+    check_model_dir(model_dir)
+    model, config = load_checkpoint(model_dir, lazy=True, action="load")
+    distributed.split_model(model, sharding, group)
+    distributed.barrier(group)
     setattr(model, SOURCE, model_dir)
     return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))

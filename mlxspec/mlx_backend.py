@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
+from .distributed import stage_of
 from .early_exit import late_forward
 from .engine import Draft, Pass, Verdict
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
@@ -99,6 +100,8 @@ class MLXTarget:
         cache: list | None = None,
     ):
         self.model = model
+        self.stage = stage_of(model)  # this process's share of a split target, or None
+        self._stage_output = None  # what this rank evaluates for its share of the last forward
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
@@ -125,6 +128,10 @@ class MLXTarget:
         """Logits (n, V) and captured features of `tokens`; with early_exit (E, hidden), the
         first E layers already ran on them (LayerSkip's draft) and only layers E.. run."""
         cache = self.cache if cache is None else cache
+        if self.stage is not None:
+            logits, features, self._stage_output = self.stage.forward(
+                self.model, tokens[None], cache, self.capture_layers)
+            return logits[0], None if features is None else features[0]
         with capture_layer_outputs(self.model, self.capture_layers) as hidden:
             if early_exit is None:
                 logits = self.model(tokens[None], cache=cache)
@@ -145,7 +152,8 @@ class MLXTarget:
             _, chunk_features = self._forward(body[start : start + self.prefill_step_size])
             if chunk_features is not None:
                 features.append(chunk_features)
-            mx.eval([c.state for c in self.cache] + features)
+            shares = [] if self._stage_output is None else [self._stage_output]  # sends, sums
+            mx.eval([c.state for c in self.cache] + features + shares)
             mx.clear_cache()
         if not self.capture_layers:
             return None
@@ -167,6 +175,20 @@ class MLXTarget:
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
         if draft.parents is not None:
             return self._launch_tree(inputs, drafts, draft, sampling)
+        return self._launch_chain(inputs, drafts, draft, sampling)
+
+    def follow_pass(self, tokens: list[int], parents: tuple[int, ...] | None) -> None:
+        """A follower rank's share of a pass rank 0 launched over `tokens` ([pending, drafts]):
+        the same forward, queued, its logits never computed here (mlxspec.distributed)."""
+        inputs = mx.array(tokens, dtype=mx.int32)
+        if parents is None:
+            self._forward(inputs)
+        else:
+            with self._tree_cache(TreeShape(parents)) as cache:
+                self._forward(inputs, cache)
+        mx.async_eval(self._stage_output)
+
+    def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
         undoable = bool(drafts.size and self._recurrent)  # a rejection restores, then re-runs
         states = [list(c.cache) for c in self._recurrent] if undoable else None
         with (record_inputs(self._mixers if undoable else []) as calls,
@@ -184,9 +206,7 @@ class MLXTarget:
     def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
         """One pass over a tree of drafts: every node sees its ancestors only (tree_pass)."""
         shape = TreeShape(draft.parents)
-        if self._attentions is None:
-            self._attentions = attention_modules(self.model)
-        with tree_pass(self._attentions, self.cache, shape) as cache:
+        with self._tree_cache(shape) as cache:
             logits, features = self._forward(inputs, cache)  # (N+1, V), (N+1, H*n)
         if sampling.greedy:
             accepted, next_token, path = accept_tree_greedy(logits, drafts, shape)
@@ -194,6 +214,11 @@ class MLXTarget:
             accepted, next_token, path = accept_tree_sampled(logits, drafts, shape, draft.probs,
                                                              sampling)
         return self._queue(drafts, path, accepted, next_token, features)
+
+    def _tree_cache(self, shape: TreeShape):
+        if self._attentions is None:
+            self._attentions = attention_modules(self.model)
+        return tree_pass(self._attentions, self.cache, shape)
 
     @staticmethod
     def _queue(drafts, path, accepted, next_token, features) -> Pass:

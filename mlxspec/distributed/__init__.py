@@ -1,0 +1,71 @@
+"""Speculative decoding over a target split across processes (Macs) with MLX's own distributed
+layer: `mlx.launch` starts the ranks (ring over TCP, or JACCL over RDMA on Thunderbolt 5), the
+target is split by pipeline or tensor parallelism (mlxspec.distributed.stage), rank 0 drafts and
+decides, and each step it posts the other ranks their work in one small all-sum
+(mlxspec.distributed.link). No transport of our own: MLX's groups carry everything.
+"""
+
+import mlx.core as mx
+
+from .link import DistributedError, Link
+from .ranks import Follower, LeaderTarget, cache_slot
+from .stage import SHARDINGS, Stage, layer_split, split_pipeline, split_tensors
+
+STAGE = "mlxspec_stage"  # where a split model keeps its Stage
+
+
+def stage_of(model) -> Stage | None:
+    """The share of a split target this process runs; None for a whole model."""
+    return getattr(model, STAGE, None)
+
+
+def launched() -> bool:
+    """Whether this process is one of several ranks (started by mlx.launch)."""
+    return mx.distributed.is_available() and mx.distributed.init().size() > 1
+
+
+def barrier(group) -> None:
+    try:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    except RuntimeError as err:
+        from .link import lost
+
+        raise lost(err, group.rank()) from None
+
+
+def check_sharding(sharding: str) -> str:
+    if sharding not in SHARDINGS:
+        raise ValueError(f"unknown sharding {sharding!r}; choose from {', '.join(SHARDINGS)}")
+    return sharding
+
+
+def split_model(model, sharding: str, group) -> Stage:
+    """Split a lazily loaded model for this rank and read only its own weights."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..mlx_backend import is_recurrent, untrimmable_caches
+
+    caches = make_prompt_cache(model)
+    odd = sorted({type(c).__name__ for c in caches if is_recurrent(c)}
+                 | set(untrimmable_caches(caches)))
+    if odd:
+        raise ValueError(f"a split target needs attention caches that roll back by trimming; "
+                         f"this model has {', '.join(odd)}")
+    stage = (split_pipeline if sharding == "pipeline" else split_tensors)(model, group)
+    mx.eval(model.parameters())
+    object.__setattr__(model, STAGE, stage)
+    stage.link = Link(group)
+    return stage
+
+
+def follower(model) -> Follower:
+    """The Follower of a split model on a rank other than 0 (one per model)."""
+    stage = stage_of(model)
+    if stage.follower is None:
+        stage.follower = Follower(model, stage.link)
+    return stage.follower
+
+
+__all__ = ["DistributedError", "Follower", "LeaderTarget", "Link", "SHARDINGS", "Stage",
+           "barrier", "cache_slot", "check_sharding", "follower", "launched", "layer_split",
+           "split_model", "stage_of"]
