@@ -115,9 +115,13 @@ class BackendParts:
 def _mlx_parts() -> BackendParts:
     from ._blas import blas_in_use
 
+    def describe(model) -> str:
+        stage = stage_of(model)
+        return f"BLAS: {blas_in_use()}" + (f"; {stage.describe()}" if stage is not None else "")
+
     return BackendParts(MLXTarget, PromptCache, mx.random.seed,
                         lambda model: mx.get_peak_memory() / 1e9, context_length, vocab_size,
-                        lambda model: f"BLAS: {blas_in_use()}")
+                        describe)
 
 
 def _torch_parts() -> BackendParts:

@@ -18,7 +18,7 @@ import mlx.core as mx  # noqa: E402
 from mlxspec.engine import Draft, Drafter  # noqa: E402
 
 PROMPT = "def is_palindrome(s):\n    \"\"\"Return True when s reads the same backwards.\"\"\"\n"
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 class WrongDrafts(Drafter):
@@ -35,18 +35,22 @@ class WrongDrafts(Drafter):
 def cases(model, tokenizer, leads: bool):
     """(name, stream_generate keyword arguments); drafters are built on rank 0 only."""
 
-    def dflash(**options):
-        return mlxspec.load_drafter("dflash", model=model, tokenizer=tokenizer, **options) \
+    def shipped(kind, **options):
+        return mlxspec.load_drafter(kind, model=model, tokenizer=tokenizer, **options) \
             if leads else None
+
+    def dflash(**options):
+        return shipped("dflash", **options)
 
     return [
         ("none", dict(drafter="none")),
         ("lookup", dict(drafter="lookup")),
         ("dflash", dict(drafter=dflash())),
         ("dflash-tree", dict(drafter=dflash(tree_budget=8))),
+        ("medusa", dict(drafter=shipped("medusa"))),
         ("wrong", dict(drafter=WrongDrafts() if leads else None, adaptive=False)),
-        ("none-sampled", dict(drafter="none", temp=1.0, seed=7)),  # fixed K: the same draws
-        ("lookup-sampled", dict(drafter="lookup", temp=1.0, seed=7, adaptive=False)),
+        ("none-sampled", dict(drafter="none", temp=1.0, seed=7)),
+        # A fixed K: the adaptive one follows timings, and other drafts draw other numbers.
         ("dflash-sampled", dict(drafter=dflash(), temp=1.0, top_p=0.9, seed=7, adaptive=False)),
     ]
 

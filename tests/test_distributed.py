@@ -5,6 +5,7 @@ sampled with a seed; a rank that dies must make the other exit with a clear erro
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,8 +21,11 @@ from mlxspec.distributed.link import BEGIN, END, PASS, SHUTDOWN, TRIM, Settled, 
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
-# One BLAS thread per rank: two ranks share this machine's cores.
+# One BLAS thread per rank, each rank on a core of its own where there are two: the ranks share
+# this machine, and MLX's ring backend polls while it waits for the other rank.
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+PIN = ["bash", "-c", 'exec taskset -c "$((MLX_RANK % $(nproc)))" "$@"', "pin"] \
+    if shutil.which("taskset") else []
 
 
 def free_port() -> int:
@@ -40,11 +44,31 @@ def free_port() -> int:
 
 
 def launch(*command: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`mlx.launch -n 2 --backend ring -- command` on loopback."""
-    return subprocess.run(
-        [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port",
-         str(free_port()), "--env", "OPENBLAS_NUM_THREADS=1", "--", *command],
-        input=stdin, capture_output=True, text=True, timeout=timeout, env=ENV)
+    """`mlx.launch -n 2 --backend ring -- command` on loopback; no rank outlives it."""
+    tag = f"launch-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        return subprocess.run(
+            [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port",
+             str(free_port()), "--env", "OPENBLAS_NUM_THREADS=1", "--env",
+             "MLXSPEC_TEST_TAG=" + tag, "--", *PIN, *command],
+            input=stdin, capture_output=True, text=True, timeout=timeout, env=ENV)
+    finally:
+        kill_tagged(tag)
+
+
+def tagged(tag: str, rank: str | None = None) -> list[int]:
+    """Processes started with MLXSPEC_TEST_TAG=tag (and MLX_RANK=rank)."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+            and _environ(p).get("MLXSPEC_TEST_TAG") == tag
+            and (rank is None or _environ(p).get("MLX_RANK") == rank)]
+
+
+def kill_tagged(tag: str) -> None:
+    for pid in tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def results(stdout: str) -> dict:
@@ -63,8 +87,8 @@ def job_reference(mode: str) -> dict:
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_split_target_generates_what_one_process_does(mode):
     """Pipeline on SmolLM2 (30 layers; its 9 heads do not split two ways), tensor parallel on a
-    tiny llama of 4 heads: none, lookup, DFlash (chain and tree), drafts rejected at every
-    position, sampled with a seed, and a cache kept across two calls."""
+    tiny llama of 4 heads: none, lookup, DFlash (chain and tree), Medusa, drafts
+    rejected at every position, sampled with a seed, and a cache kept across two calls."""
     run = launch(sys.executable, str(HERE / "distributed_job.py"), mode, timeout=420)
     got = results(run.stdout)
     assert got, run.stdout[-2000:] + run.stderr[-3000:]
@@ -106,7 +130,7 @@ def _start_ranks(args, port):
     """Both ranks as mlx.launch starts them (its environment), each process ours to kill."""
     hostfile = Path(f"/tmp/mlxspec-hosts-{port}.json")
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    return [subprocess.Popen(_cli(*args), env={**ENV, "MLX_RANK": str(r),
+    return [subprocess.Popen(PIN + _cli(*args), env={**ENV, "MLX_RANK": str(r),
                                                 "MLX_HOSTFILE": str(hostfile)},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in (0, 1)]
@@ -143,20 +167,18 @@ def test_mlx_launch_ends_when_a_rank_dies():
     launcher = subprocess.Popen(
         [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(port),
          "--env", "MLXSPEC_TEST_TAG=" + str(port), "--env", "OPENBLAS_NUM_THREADS=1", "--",
-         *_cli("generate", "-p", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "--no-chat-template", "-n",
+         *PIN, *_cli("generate", "-p", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "--no-chat-template", "-n",
                "2000")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         assert launcher.stdout.read(1)
-        pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                   and _environ(p).get("MLXSPEC_TEST_TAG") == str(port)
-                   and _environ(p).get("MLX_RANK") == "1")
-        os.kill(pid, signal.SIGKILL)
+        os.kill(tagged(str(port), rank="1")[0], signal.SIGKILL)
         _, err = launcher.communicate(timeout=60)
         assert "Node with rank 1" in err
     finally:
         launcher.kill()
         launcher.communicate()
+        kill_tagged(str(port))
 
 
 def _environ(proc: Path) -> dict:
@@ -225,3 +247,76 @@ def test_splits_refuse_what_they_cannot_run():
         split_model(odd, "tensor", _TwoRanks())
     with pytest.raises(ValueError, match="unknown sharding"):
         mlxspec.load(shard="diagonal")
+
+
+def test_layerskip_says_it_cannot_run_on_a_split_target():
+    from tiny_models import tiny_llama
+
+    from mlxspec.distributed import STAGE
+    from mlxspec.drafters.registry import why_unavailable
+
+    model = tiny_llama(layers=4)
+    assert why_unavailable("layerskip", model) is None
+    object.__setattr__(model, STAGE, object())
+    assert "over a target split across ranks" in why_unavailable("layerskip", model)
+
+
+def _http_json(url: str, body: dict | None = None, timeout: int = 120) -> dict:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def test_serve_on_two_ranks(smollm):
+    """`mlxspec serve` on rank 0 of two (started as mlx.launch starts them): replies equal one
+    process's generation (a follow-up turn on the kept cache too), and SIGTERM drains rank 0
+    and tells rank 1 to stop, which then exits by itself."""
+    pytest.importorskip("uvicorn", reason="mlxspec serve needs the server extra")
+    import urllib.error
+
+    model, tokenizer = smollm
+    first = [{"role": "user", "content": "Name three colors."}]
+
+    def expected(messages):
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return mlxspec.generate(model, tokenizer, prompt, 16)
+
+    follow = first + [{"role": "assistant", "content": expected(first)},
+                      {"role": "user", "content": "And three animals?"}]
+    wanted = {"first": expected(first), "follow": expected(follow)}  # before the ranks poll
+    port = free_port()
+    ranks = _start_ranks(["serve", "--port", str(port), "--drafter", "dflash"], free_port())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if _http_json(url + "/health", timeout=5)["status"] == "ok":
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline
+            time.sleep(0.5)
+
+        def ask(messages, drafter):
+            reply = _http_json(url + "/v1/chat/completions", {
+                "messages": messages, "max_tokens": 16, "temperature": 0, "drafter": drafter})
+            return (reply["choices"][0]["message"]["content"],
+                    reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        assert ask(first, "dflash")[0] == wanted["first"]
+        assert ask(first, "lookup")[0] == wanted["first"]  # kept: lookup reads no features
+        text, cached = ask(follow, "lookup")
+        assert text == wanted["follow"] and cached > 0
+        ranks[0].send_signal(signal.SIGTERM)
+        assert ranks[1].wait(timeout=90) == 0
+        _, err = ranks[1].communicate()
+        assert "Traceback" not in err
+        assert ranks[0].wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()

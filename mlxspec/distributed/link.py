@@ -105,6 +105,7 @@ class Link:
         # Set once an operation failed: MLX's backends then hang on any later one, so nothing
         # more is posted (the others learn of it from their own failed operation).
         self.broken = False
+        self.shut = False  # the others were told to stop following: nothing more to post
 
     def lost(self, err: Exception) -> DistributedError:
         self.broken = True
@@ -119,7 +120,7 @@ class Link:
 
     def _post(self, op: int, settled: Settled | None, fields: Sequence[int] = (),
               parts: Sequence[Any] = (), wait: bool = False) -> None:
-        if self.broken:
+        if self.broken or self.shut:
             return
         message = self._all_sum(encode(op, settled, fields, parts))
         if not wait:
@@ -155,6 +156,7 @@ class Link:
             self._post(SHUTDOWN, None, wait=True)
         except DistributedError:
             pass
+        self.shut = True
 
     def receive(self) -> Message:
         """The next message from rank 0 (a rank other than 0: waits for it)."""

@@ -120,6 +120,12 @@ class Stage:
     def pipeline(self) -> bool:
         return self.sharding == "pipeline"
 
+    def describe(self) -> str:
+        if self.pipeline:
+            return (f"pipeline over {self.size} ranks: rank {self.rank} runs layers "
+                    f"{self.start}-{self.end - 1} of {self.num_layers}")
+        return f"tensor parallel over {self.size} ranks"
+
     def full_view(self, cache: Sequence) -> list:
         """This rank's caches (one per layer it runs) as the model's per-layer list: a layer held
         elsewhere sees the rank's first cache, so a mask built from any slot counts the

@@ -34,7 +34,12 @@ def why_unavailable(model) -> str | None:
     """Why LayerSkip cannot run on `model` whatever the exit (None when it can): it needs two
     layers or more, all keeping one kind of KV cache (the late half reads the late layers' cache
     where the model builds its mask from the first; a recurrent state would also need restoring,
-    which this drafter does not do)."""
+    which this drafter does not do), all in this process."""
+    from ..distributed import stage_of
+
+    if stage_of(model) is not None:
+        return ("the layerskip drafter runs the target's early layers on their own; over a "
+                "target split across ranks they are another rank's")
     layers = num_layers(model)
     if layers < 2:
         return f"the layerskip drafter needs a target of 2 layers or more; this one has {layers}"

@@ -116,6 +116,7 @@ class Worker:
         while True:
             job = self._jobs.get()
             if job is None:
+                _release_other_ranks(self.model)
                 return
             with self._lock:
                 self._waiting -= 1
@@ -195,3 +196,13 @@ class Worker:
             drafted=last.drafted if last else 0, accepted=last.accepted if last else 0,
             tau=last.tau if last else 0.0, seconds_to_first_token=first or 0.0,
             tokens_per_second=produced / elapsed if elapsed > 0 else 0.0)
+
+
+def _release_other_ranks(model) -> None:
+    """A target split across ranks (mlx.launch): the others stop following once the last
+    generation is over, from the thread that ran the generations (so after it, in order)."""
+    from ..distributed import stage_of
+
+    stage = stage_of(model)
+    if stage is not None and stage.leads:
+        stage.link.shutdown()
