@@ -427,7 +427,12 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
     from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark
+    from mlxspec.distributed import launched
     from mlxspec.loading import gguf_file
+
+    if launched():
+        raise click.UsageError("bench runs in one process; a split target's benchmark is "
+                               "benchmarks/distributed_loopback.py")
 
     paths = {k.name: drafter_flags.pop(f"{k.name}_model", None) for k in registry.model_drafters()}
     draft_model = paths.get("draft")  # mlx-lm's draft model too

@@ -195,7 +195,6 @@ def stream_generate(
         # drafts, decides and yields the output.
         follower(model).follow()
         return
-    leader = None
     try:
         drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
         requested = num_draft or drafter.default_num_draft
@@ -208,90 +207,90 @@ def stream_generate(
             speculative=num_draft > 0,
             cache=prompt_cache.take(model, prompt_tokens) if reuse else None,
         )
-        if stage is not None:  # each pass is posted to the other ranks before it is queued
-            target = leader = LeaderTarget(target, stage.link,
-                                           cache_slot(prompt_cache if reuse else None))
-        if seed is not None:
-            parts.seed(seed)
+    except BaseException:
+        if stage is not None:  # the other ranks end this generation too
+            stage.link.end(None)
+        raise
+    if stage is not None:  # each pass is posted to the other ranks before it is queued
+        target = LeaderTarget(target, stage.link, cache_slot(prompt_cache if reuse else None))
+    if seed is not None:
+        parts.seed(seed)
 
-        stats = SpecStats()
-        detokenizer = tokenizer.detokenizer
-        detokenizer.reset()
-        eos = frozenset(tokenizer.eos_token_ids)
-        steps = speculative_tokens(
-            target,
-            drafter,
-            prompt_tokens,
-            sampling=sampling,
-            max_tokens=max_tokens,
-            num_draft=requested,
-            stats=stats,
-            adaptive=adaptive,
-            stop_tokens=eos,
-            overlap=overlap,
+    stats = SpecStats()
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = frozenset(tokenizer.eos_token_ids)
+    steps = speculative_tokens(
+        target,
+        drafter,
+        prompt_tokens,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        num_draft=requested,
+        stats=stats,
+        adaptive=adaptive,
+        stop_tokens=eos,
+        overlap=overlap,
+    )
+
+    def response(token, from_draft, n, finish_reason=None):
+        elapsed = time.perf_counter() - gen_start
+        return GenerationResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            from_draft=from_draft,
+            prompt_tokens=len(prompt_tokens),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / elapsed if elapsed > 0 else 0.0,
+            peak_memory=parts.peak_memory_gb(model),
+            finish_reason=finish_reason,
+            target_passes=stats.target_passes,
+            drafted=stats.drafted,
+            accepted=stats.accepted,
+            tau=stats.tau,
+            acceptance_rate=stats.acceptance_rate,
+            acceptance_per_position=stats.acceptance_per_position,
+            drafted_per_position=list(stats.drafted_per_position),
+            accepted_per_position=list(stats.accepted_per_position),
+            drafter=drafter.name,
+            num_draft=num_draft,
+            launch_seconds=stats.launch_seconds,
+            wait_seconds=stats.wait_seconds,
         )
 
-        def response(token, from_draft, n, finish_reason=None):
-            elapsed = time.perf_counter() - gen_start
-            return GenerationResponse(
-                text=detokenizer.last_segment,
-                token=token,
-                from_draft=from_draft,
-                prompt_tokens=len(prompt_tokens),
-                prompt_tps=prompt_tps,
-                generation_tokens=n,
-                generation_tps=n / elapsed if elapsed > 0 else 0.0,
-                peak_memory=parts.peak_memory_gb(model),
-                finish_reason=finish_reason,
-                target_passes=stats.target_passes,
-                drafted=stats.drafted,
-                accepted=stats.accepted,
-                tau=stats.tau,
-                acceptance_rate=stats.acceptance_rate,
-                acceptance_per_position=stats.acceptance_per_position,
-                drafted_per_position=list(stats.drafted_per_position),
-                accepted_per_position=list(stats.accepted_per_position),
-                drafter=drafter.name,
-                num_draft=num_draft,
-                launch_seconds=stats.launch_seconds,
-                wait_seconds=stats.wait_seconds,
-            )
-
-        start = time.perf_counter()
-        prompt_tps, gen_start = 0.0, start
-        n, token, from_draft, finish_reason = 0, None, False, "length"
-        output = []
-        try:
-            for token, from_draft in parts.run_steps(steps):
-                output.append(token)
-                if n == 0:
-                    # Time to the first token is prefill plus one verify pass, as in mlx-lm.
-                    gen_start = time.perf_counter()
-                    prompt_tps = len(prompt_tokens) / (gen_start - start)
-                if token in eos:
-                    finish_reason = "stop"
-                    break
-                n += 1
-                detokenizer.add_token(token)
-                if n == max_tokens:
-                    break
-                yield response(token, from_draft, n)
-            detokenizer.finalize()
-            yield response(token, from_draft, n, finish_reason)
-        finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
-            steps.close()  # the loop drops the drafts of a pass it had queued
-            if reuse:
-                prompt_cache.remember(prompt_tokens + output)
-
+    start = time.perf_counter()
+    prompt_tps, gen_start = 0.0, start
+    n, token, from_draft, finish_reason = 0, None, False, "length"
+    output = []
+    try:
+        for token, from_draft in parts.run_steps(steps):
+            output.append(token)
+            if n == 0:
+                # Time to the first token is prefill plus one verify pass, as in mlx-lm.
+                gen_start = time.perf_counter()
+                prompt_tps = len(prompt_tokens) / (gen_start - start)
+            if token in eos:
+                finish_reason = "stop"
+                break
+            n += 1
+            detokenizer.add_token(token)
+            if n == max_tokens:
+                break
+            yield response(token, from_draft, n)
+        detokenizer.finalize()
+        yield response(token, from_draft, n, finish_reason)
     except RuntimeError as err:  # MLX's distributed backends raise these when a rank is lost
         if stage is None or isinstance(err, DistributedError):
             raise
         raise stage.link.lost(err) from None
-    finally:  # the other ranks end this generation too, also when it failed before a pass
-        if leader is not None:
-            leader.finish()
-        elif stage is not None:
-            stage.link.end(None)
+    finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
+        steps.close()  # the loop drops the drafts of a pass it had queued
+        if reuse:
+            prompt_cache.remember(prompt_tokens + output)
+        if stage is not None:  # the other ranks keep their caches as this one's stand
+            target.finish()
+
 
 def _blas_single_threaded(steps):
     """Each step of a torch-backend loop with OpenBLAS on one thread (see

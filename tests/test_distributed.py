@@ -120,9 +120,11 @@ def test_cli_chat_under_mlx_launch():
     assert split.stdout == alone.stdout
 
 
-def test_cli_refuses_tensor_parallel_that_does_not_divide():
+def test_cli_refuses_what_a_split_target_cannot_do():
     run = launch(*_cli("generate", "-p", "hi", "-n", "4", "--shard", "tensor"))
     assert "needs sizes it divides; this model has num attention heads 9" in run.stderr
+    run = launch(*_cli("bench", "--limit", "1"))
+    assert "bench runs in one process" in run.stderr
     assert "Traceback" not in run.stderr
 
 

@@ -121,7 +121,7 @@ class Follower:
         else:
             extra = (cache_offset(cache) or 0) - held
             for c in cache:
-                c.trim(extra)
+                c.trim(max(extra, 0))
         if slot:
             self.caches[slot] = cache
             self.caches.move_to_end(slot)
