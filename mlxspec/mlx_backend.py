@@ -141,12 +141,15 @@ class MLXTarget:
         features = concat_features(hidden)[0] if hidden else None
         return logits[0], features
 
-    def prefill(self, tokens: Sequence[int]):
+    def prefill(self, tokens: Sequence[int], held: int | None = None):
         """Process all tokens but the last that the cache does not hold yet (a reused cache holds
-        a prefix); return the captured features of the processed ones (n, H*layers) or None."""
-        if self.capture_layers and self.offset:
+        a prefix); return the captured features of the processed ones (n, H*layers) or None.
+        `held` says how many it holds where no layer counts them (a rank of a split target
+        whose layers are all recurrent is told by rank 0)."""
+        held = self.offset if held is None else held
+        if self.capture_layers and held:
             raise ValueError("a drafter that reads target features needs a fresh target cache")
-        body = mx.array(list(tokens[self.offset : -1]), dtype=mx.int32)
+        body = mx.array(list(tokens[held:-1]), dtype=mx.int32)
         features = []
         for start in range(0, body.shape[0], self.prefill_step_size):
             _, chunk_features = self._forward(body[start : start + self.prefill_step_size])
@@ -182,19 +185,25 @@ class MLXTarget:
         the same forward, queued, its logits never computed here (mlxspec.distributed)."""
         inputs = mx.array(tokens, dtype=mx.int32)
         if parents is None:
-            self._forward(inputs)
+            self._chain_forward(inputs, len(tokens) - 1)
         else:
             with self._tree_cache(TreeShape(parents)) as cache:
                 self._forward(inputs, cache)
         mx.async_eval(self._stage_output)
 
-    def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
-        undoable = bool(drafts.size and self._recurrent)  # a rejection restores, then re-runs
+    def _chain_forward(self, inputs, num_drafts: int, early_exit=None):
+        """Logits (K+1, V) and features of a chain pass, kept undoable where a rejection must
+        restore a recurrent state and re-run its kept positions."""
+        undoable = bool(num_drafts and self._recurrent)
         states = [list(c.cache) for c in self._recurrent] if undoable else None
         with (record_inputs(self._mixers if undoable else []) as calls,
               state_tape(self._taped if undoable else []) as tape):
-            logits, features = self._forward(inputs, early_exit=draft.early_exit)  # (K+1, V)
+            logits, features = self._forward(inputs, early_exit=early_exit)
         self._last_pass = (states, inputs, self._replays(calls), tape) if undoable else None
+        return logits, features
+
+    def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
+        logits, features = self._chain_forward(inputs, drafts.size, draft.early_exit)
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
         elif sampling.greedy:
@@ -275,6 +284,9 @@ class MLXTarget:
                 else:
                     module(x[:, :keep], mask=None, cache=c)
             return
+        if self.stage is not None:  # the whole model is not this process's to run again
+            raise RuntimeError("a split target cannot re-run its kept tokens: a recurrent layer "
+                               "of a kind mlxspec does not know was not recorded")
         for c in self.cache:
             if not is_recurrent(c):
                 c.trim(inputs.size)

@@ -2,7 +2,7 @@
 group, for the single-process reference): the same generations, rank 0 printing each one's
 tokens as a `RESULT {json}` line.
 
-    python tests/distributed_job.py pipeline|tensor
+    python tests/distributed_job.py pipeline|tensor|hybrid
 """
 
 import json
@@ -61,15 +61,19 @@ def tiny_cases():
             ("lookup-sampled", dict(drafter="lookup", temp=1.0, seed=3, adaptive=False))]
 
 
-def tiny_target():
-    """A random llama whose 4 attention heads and 2 KV heads split two ways, the same on
-    every rank (same seed), with SmolLM2's tokenizer (its ids fit the vocabulary)."""
+def tiny_target(mode: str):
+    """The same random model on every rank (same seed), with SmolLM2's tokenizer (its ids fit
+    the vocabulary): for "tensor" a llama whose 4 attention heads and 2 KV heads split two
+    ways, for "hybrid" a Qwen3-Next (Gated DeltaNet layers 0-2, attention at 3: rank 1 runs
+    recurrent layers only, whose caches count no positions; rank 0 one of each)."""
     from mlx_lm.utils import load_tokenizer
-    from tiny_models import tiny_llama
+    from tiny_models import tiny_llama, tiny_qwen3_next
 
     from mlxspec.loading import resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir(None))
+    if mode == "hybrid":
+        return tiny_qwen3_next(vocab=49152, seed=5, full_attention_interval=4), tokenizer
     return tiny_llama(vocab=49152, hidden=64, layers=4, seed=5, sharpness=30.0), tokenizer
 
 
@@ -79,9 +83,10 @@ def run(mode: str, group=None) -> dict:
         model, tokenizer = mlxspec.load(shard="pipeline", group=group)
         todo = None
     else:
-        model, tokenizer = tiny_target()
+        model, tokenizer = tiny_target(mode)
         if group is not None:
-            mlxspec.distributed.split_model(model, "tensor", group)
+            mlxspec.distributed.split_model(model, "pipeline" if mode == "hybrid" else mode,
+                                            group)
         todo = tiny_cases()
     leads = group is None or group.rank() == 0
     todo = todo or cases(model, tokenizer, leads)
@@ -91,13 +96,39 @@ def run(mode: str, group=None) -> dict:
                                                            **options)]
         results[name] = tokens
     # A kept cache across two calls (chat's turns): the second prefills only its new tokens.
+    # Token ids, so the second prompt extends all the cache holds (a recurrent one too).
     cache = mlxspec.PromptCache()
-    first = [r.token for r in mlxspec.stream_generate(model, tokenizer, PROMPT, 8,
+    prompt = tokenizer.encode(PROMPT)
+    first = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 8,
                                                       drafter="lookup", prompt_cache=cache)]
-    follow_up = PROMPT + tokenizer.decode(first) + "\n# now call it\n"
+    follow_up = prompt + first + tokenizer.encode("\n# now call it\n", add_special_tokens=False)
     results["kept-cache"] = [r.token for r in mlxspec.stream_generate(
         model, tokenizer, follow_up, 12, drafter="lookup", prompt_cache=cache)]
+    if mode != "tensor":  # each rank holds a slice of every layer's heads there
+        results["kept-cache-state"] = state_sums(model, cache)
     return results if leads else {}
+
+
+def state_sums(model, cache) -> list[float]:
+    """Per layer, the sum of every array the kept cache holds, gathered from the rank that
+    runs it: a rank whose state went wrong shows here even where the tokens do not."""
+    from mlx.utils import tree_flatten
+
+    from mlxspec.hidden_states import decoder_layers
+
+    stage = mlxspec.distributed.stage_of(model)
+    sums = [0.0] * len(decoder_layers(model))
+    own, start = cache.cache, 0
+    if stage is not None:
+        start = stage.start
+        if not stage.leads:
+            own = next(reversed(stage.follower.caches.values()))
+    for i, c in enumerate(own, start=start):
+        arrays = [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+        sums[i] = sum(mx.sum(a.astype(mx.float32)).item() for a in arrays)
+    if stage is not None:
+        sums = mx.distributed.all_sum(mx.array(sums), group=stage.group).tolist()
+    return sums
 
 
 if __name__ == "__main__":

@@ -84,15 +84,21 @@ def job_reference(mode: str) -> dict:
     return distributed_job.run(mode)
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+@pytest.mark.parametrize("mode", ["pipeline", "tensor", "hybrid"])
 def test_split_target_generates_what_one_process_does(mode):
     """Pipeline on SmolLM2 (30 layers; its 9 heads do not split two ways), tensor parallel on a
-    tiny llama of 4 heads: none, lookup, DFlash (chain and tree), Medusa, drafts
-    rejected at every position, sampled with a seed, and a cache kept across two calls."""
+    tiny llama of 4 heads, pipeline on a tiny Qwen3-Next (each rank rolls back its own
+    recurrent layers): none, lookup, DFlash (chain and tree), Medusa, drafts rejected at every
+    position, sampled with a seed, and a cache kept across two calls."""
     run = launch(sys.executable, str(HERE / "distributed_job.py"), mode, timeout=420)
-    got = results(run.stdout)
+    got, want = results(run.stdout), job_reference(mode)
     assert got, run.stdout[-2000:] + run.stderr[-3000:]
-    assert got == job_reference(mode)
+    if "kept-cache-state" in want:
+        # Each layer's kept state, summed: equal to float rounding (a rank that processed
+        # the wrong positions is off by whole units).
+        assert got.pop("kept-cache-state") == pytest.approx(want.pop("kept-cache-state"),
+                                                            rel=1e-4, abs=0.05)
+    assert got == want
 
 
 def _cli(*args):
@@ -238,11 +244,16 @@ class _TwoRanks:
         return 0
 
 
-def test_splits_refuse_what_they_cannot_run():
+def test_splits_refuse_what_they_cannot_run(monkeypatch):
     from tiny_models import tiny_llama, tiny_qwen3_next
 
-    with pytest.raises(ValueError, match="roll back by trimming; this model has ArraysCache"):
+    with pytest.raises(ValueError, match="tensor parallelism over a hybrid target"):
+        split_model(tiny_qwen3_next(), "tensor", _TwoRanks())
+    # Recurrent layers of a kind no rank can re-run alone (here: none recognised).
+    monkeypatch.setattr("mlxspec.mlx_backend.state_mixers", lambda model: [])
+    with pytest.raises(ValueError, match="must be of a kind mlxspec re-runs alone"):
         split_model(tiny_qwen3_next(), "pipeline", _TwoRanks())
+    monkeypatch.undo()
     odd = tiny_llama(layers=2)
     odd.args.num_attention_heads = 3
     with pytest.raises(ValueError, match="num attention heads 3: use --shard pipeline"):

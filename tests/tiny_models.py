@@ -32,7 +32,7 @@ HYBRID_SIZES = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64,
                     max_position_embeddings=256, full_attention_interval=2)
 
 
-def tiny_qwen3_next(vocab: int = 32, seed: int = 0):
+def tiny_qwen3_next(vocab: int = 32, seed: int = 0, **sizes):
     """mlx-lm's Qwen3-Next: Gated DeltaNet layers (ArraysCache) between attention layers."""
     from mlx_lm.models import qwen3_next
 
@@ -40,7 +40,8 @@ def tiny_qwen3_next(vocab: int = 32, seed: int = 0):
     args = qwen3_next.ModelArgs(
         model_type="qwen3_next", vocab_size=vocab, num_experts=0, num_experts_per_tok=0,
         decoder_sparse_step=1, shared_expert_intermediate_size=0, mlp_only_layers=[],
-        moe_intermediate_size=0, rope_theta=10000.0, partial_rotary_factor=0.25, **HYBRID_SIZES)
+        moe_intermediate_size=0, rope_theta=10000.0, partial_rotary_factor=0.25,
+        **{**HYBRID_SIZES, **sizes})
     model = qwen3_next.Model(args)
     mx.eval(model.parameters())
     return model

@@ -43,14 +43,23 @@ def split_model(model, sharding: str, group) -> Stage:
     """Split a lazily loaded model for this rank and read only its own weights."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..mlx_backend import is_recurrent, untrimmable_caches
+    from ..mlx_backend import is_recurrent, state_mixers, untrimmable_caches
 
     caches = make_prompt_cache(model)
-    odd = sorted({type(c).__name__ for c in caches if is_recurrent(c)}
-                 | set(untrimmable_caches(caches)))
+    recurrent = [c for c in caches if is_recurrent(c)]
+    odd = untrimmable_caches([c for c in caches if not is_recurrent(c)])
     if odd:
-        raise ValueError(f"a split target needs attention caches that roll back by trimming; "
-                         f"this model has {', '.join(odd)}")
+        raise ValueError(f"a split target needs caches that roll back; this model has "
+                         f"{', '.join(odd)}")
+    if recurrent and sharding == "tensor":
+        raise ValueError("tensor parallelism over a hybrid target (recurrent layers) is not "
+                         "supported; use --shard pipeline")
+    if len(recurrent) != len(state_mixers(model)):
+        # Each rank rolls back its own recurrent layers by re-running their recorded updates;
+        # a layer of an unknown kind would need the whole model re-run, which no rank holds.
+        raise ValueError("a split target's recurrent layers must be of a kind mlxspec re-runs "
+                         "alone (Gated DeltaNet, Mamba-2, short convolutions); this model's are "
+                         "not")
     stage = (split_pipeline if sharding == "pipeline" else split_tensors)(model, group)
     mx.eval(model.parameters())
     object.__setattr__(model, STAGE, stage)

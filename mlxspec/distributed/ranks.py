@@ -22,7 +22,9 @@ def cache_slot(prompt_cache) -> int:
     """The number the other ranks know a kept cache (chat's, a server pool's) by; 0 for none."""
     if prompt_cache is None:
         return 0
-    return prompt_cache.__dict__.setdefault("distributed_slot", next(_slots))
+    if "distributed_slot" not in vars(prompt_cache):
+        prompt_cache.distributed_slot = next(_slots)
+    return prompt_cache.distributed_slot
 
 
 class LeaderTarget:
@@ -93,7 +95,7 @@ class Follower:
                                    f"message {message.op}")
         target = MLXTarget(self.model, capture_layers=message.capture, speculative=True,
                            cache=self._cache(message.slot, message.held))
-        target.prefill(list(message.tokens))
+        target.prefill(list(message.tokens), held=message.held)
         while True:
             message = self.link.receive()
             if message.settled is not None:
@@ -120,8 +122,9 @@ class Follower:
             cache = make_prompt_cache(self.model)
         else:
             extra = (cache_offset(cache) or 0) - held
-            for c in cache:
-                c.trim(max(extra, 0))
+            if extra > 0:  # rank 0 cut its cache: it can be cut (a recurrent one is kept whole)
+                for c in cache:
+                    c.trim(extra)
         if slot:
             self.caches[slot] = cache
             self.caches.move_to_end(slot)

@@ -100,6 +100,10 @@ class Stage:
     start: int
     end: int
     num_layers: int
+    # Per layer, the kind of cache the whole model keeps (a hybrid mixes them), and a spare
+    # cache of each kind: a layer held elsewhere is shown a cache of its own kind.
+    kinds: tuple = field(default=(), repr=False)
+    spares: dict = field(default_factory=dict, repr=False)
     link: Any = field(default=None, repr=False)  # rank 0's posts to the others (.link.Link)
     follower: Any = field(default=None, repr=False)  # a follower rank's runner (.ranks)
 
@@ -127,11 +131,19 @@ class Stage:
         return f"tensor parallel over {self.size} ranks"
 
     def full_view(self, cache: Sequence) -> list:
-        """This rank's caches (one per layer it runs) as the model's per-layer list: a layer held
-        elsewhere sees the rank's first cache, so a mask built from any slot counts the
-        positions this rank holds (the placeholder itself never touches it)."""
+        """This rank's caches (one per layer it runs) as the model's per-layer list. A layer held
+        elsewhere (its placeholder never touches a cache) shows the rank's first cache of the
+        same kind, so a mask the model builds from any slot counts the positions this rank holds;
+        a kind this rank runs no layer of shows a spare (its mask feeds no layer here)."""
         cache = list(cache)
-        return [cache[0]] * self.start + cache + [cache[-1]] * (self.num_layers - self.end)
+        if not self.kinds:  # one kind of cache throughout
+            return [cache[0]] * self.start + cache + [cache[-1]] * (self.num_layers - self.end)
+        own = dict(zip(range(self.start, self.end), cache))
+        first = {}
+        for i, c in own.items():
+            first.setdefault(self.kinds[i], c)
+        return [own[i] if i in own else first.get(self.kinds[i], self.spares[self.kinds[i]])
+                for i in range(self.num_layers)]
 
     def forward(self, model, tokens: mx.array, cache: Sequence, capture_layers: Sequence[int]):
         """This rank's share of one pass over tokens (1, n): (logits, features, output).
@@ -180,6 +192,11 @@ def split_pipeline(model, group) -> Stage:
         if not start <= i < end:
             layers[i] = _HeldElsewhere(layer)
     stage = Stage(group, "pipeline", start, end, len(layers))
+    whole = _whole_caches(model)
+    kinds = tuple(type(c) for c in whole)
+    if len(set(kinds)) > 1:
+        stage.kinds = kinds
+        stage.spares = {kind: c for kind, c in zip(kinds, whole)}
     _keep_own_caches(model, stage)
     return stage
 
@@ -216,6 +233,10 @@ def _keep_own_caches(model, stage: Stage) -> None:
         return caches[stage.start : stage.end]
 
     object.__setattr__(model, "make_cache", make_cache)
+
+
+def _whole_caches(model) -> list:
+    return model.make_cache() if hasattr(model, "make_cache") else _default_caches(model)
 
 
 def _default_caches(model) -> list:
