@@ -245,7 +245,7 @@ class _TwoRanks:
 
 
 def test_splits_refuse_what_they_cannot_run(monkeypatch):
-    from tiny_models import tiny_llama, tiny_qwen3_next
+    from tiny_models import tiny_llama, tiny_nemotron_h, tiny_qwen3_next
 
     with pytest.raises(ValueError, match="tensor parallelism over a hybrid target"):
         split_model(tiny_qwen3_next(), "tensor", _TwoRanks())
@@ -254,6 +254,8 @@ def test_splits_refuse_what_they_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="must be of a kind mlxspec re-runs alone"):
         split_model(tiny_qwen3_next(), "pipeline", _TwoRanks())
     monkeypatch.undo()
+    with pytest.raises(ValueError, match="keeps 3 caches for 4 layers"):
+        split_model(tiny_nemotron_h(), "pipeline", _TwoRanks())
     odd = tiny_llama(layers=2)
     odd.args.num_attention_heads = 3
     with pytest.raises(ValueError, match="num attention heads 3: use --shard pipeline"):

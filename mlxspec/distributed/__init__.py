@@ -9,7 +9,9 @@ import mlx.core as mx
 
 from .link import DistributedError, Link
 from .ranks import Follower, LeaderTarget, cache_slot
-from .stage import SHARDINGS, Stage, layer_split, split_pipeline, split_tensors
+from ..hidden_states import decoder_layers
+from .stage import (SHARDINGS, Stage, check_caches_per_layer, layer_split, split_pipeline,
+                    split_tensors)
 
 STAGE = "mlxspec_stage"  # where a split model keeps its Stage
 
@@ -51,6 +53,8 @@ def split_model(model, sharding: str, group) -> Stage:
     if odd:
         raise ValueError(f"a split target needs caches that roll back; this model has "
                          f"{', '.join(odd)}")
+    if sharding == "pipeline":
+        check_caches_per_layer(caches, decoder_layers(model))
     if recurrent and sharding == "tensor":
         raise ValueError("tensor parallelism over a hybrid target (recurrent layers) is not "
                          "supported; use --shard pipeline")

@@ -187,18 +187,25 @@ def split_pipeline(model, group) -> Stage:
     if group.size() > len(layers):
         raise ValueError(f"a pipeline over {group.size()} ranks needs at least as many layers; "
                          f"this model has {len(layers)}")
+    whole = _whole_caches(model)
+    check_caches_per_layer(whole, layers)
     start, end = layer_split(len(layers), group.size(), group.rank())
     for i, layer in enumerate(layers):
         if not start <= i < end:
             layers[i] = _HeldElsewhere(layer)
     stage = Stage(group, "pipeline", start, end, len(layers))
-    whole = _whole_caches(model)
     kinds = tuple(type(c) for c in whole)
     if len(set(kinds)) > 1:
         stage.kinds = kinds
         stage.spares = {kind: c for kind, c in zip(kinds, whole)}
     _keep_own_caches(model, stage)
     return stage
+
+
+def check_caches_per_layer(caches: list, layers: list) -> None:
+    if len(caches) != len(layers):
+        raise ValueError(f"a pipeline gives each rank its layers' caches, but this model keeps "
+                         f"{len(caches)} caches for {len(layers)} layers (some layers keep none)")
 
 
 def split_tensors(model, group) -> Stage:
