@@ -335,3 +335,19 @@ def test_serve_on_two_ranks(smollm):
         for p in ranks:
             p.kill()
             p.communicate()
+
+
+def test_a_follower_refuses_a_kept_cache_it_no_longer_holds():
+    """Rather than prefill on top of positions it lacks (its kept caches are bounded)."""
+    from tiny_models import tiny_llama
+
+    from mlxspec.distributed import DistributedError, Follower
+
+    class Alone:
+        rank = 1
+
+    follower = Follower(tiny_llama(layers=2), Alone(), kept=1)
+    follower._cache(slot=1, held=0)
+    follower._cache(slot=2, held=0)  # slot 1 evicted
+    with pytest.raises(DistributedError, match=r"kept cache \(slot 1\) this rank no longer"):
+        follower._cache(slot=1, held=5)

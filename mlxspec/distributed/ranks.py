@@ -118,6 +118,10 @@ class Follower:
         from ..mlx_backend import cache_offset
 
         cache = self.caches.get(slot) if held else None
+        if held and cache is None:  # never prefill on top of positions this rank lacks
+            raise DistributedError(f"rank {self.link.rank}: rank 0 continues a kept cache "
+                                   f"(slot {slot}) this rank no longer keeps; keep at most "
+                                   f"{self.kept} caches on rank 0")
         if cache is None:
             cache = make_prompt_cache(self.model)
         else:
