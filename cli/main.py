@@ -61,7 +61,7 @@ def shard_option(f):
              "(pipeline), or split every layer (tensor; the head counts must divide).")(f)
 
 
-def split_target(target, ctx=None):
+def split_target(target):
     """Under mlx.launch: the other ranks follow rank 0's passes until it shuts them down, then
     exit here; rank 0 shuts them down when its command ends, however it ends."""
     from mlxspec.distributed import follower, stage_of
@@ -70,7 +70,7 @@ def split_target(target, ctx=None):
     if stage is None:
         return
     if stage.leads:
-        (ctx or click.get_current_context()).call_on_close(stage.link.shutdown)
+        click.get_current_context().call_on_close(stage.link.shutdown)
         return
     try:
         follower(target).serve()

@@ -208,13 +208,15 @@ def load(
 def _load_split(path_or_repo, dtype: str, sharding: str, group):
     """Rank 0 resolves (converts) the model first, then the others do (on their own machine, or
     finding rank 0's conversion on a shared disk); each reads only its own layers' weights."""
+    from . import _blas
+
+    _blas.preload_openblas()
     import mlx.core as mx
 
-    from . import _blas, distributed
+    from . import distributed
 
     distributed.check_sharding(sharding)
     group = group if group is not None else mx.distributed.init()
-    _blas.preload_openblas()
     if group.size() == 1:
         return load(path_or_repo, dtype=dtype)
     from mlx_lm.utils import load_tokenizer
