@@ -192,15 +192,21 @@ def load(
     from . import _blas
 
     _blas.preload_openblas()
+    return _load_mlx(resolve_model_dir(path_or_repo, dtype=dtype))
+
+
+def _load_mlx(model_dir: Path, split=None):
+    """mlx_lm.load, with the config read as transformers 5 writes it (a Hugging Face directory
+    of a hybrid model loads as it converts); missing or misshapen weights are one line. With
+    `split`, the model loads lazily and split(model) keeps and reads this rank's share."""
     from mlx_lm.utils import load_tokenizer
 
     from .converters.hf import load_checkpoint
 
-    model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
     check_model_dir(model_dir)
-    # mlx_lm.load, with the config read as transformers 5 writes it (a Hugging Face directory
-    # of a hybrid model loads as it converts); missing or misshapen weights are one line.
-    model, config = load_checkpoint(model_dir, lazy=False, action="load")
+    model, config = load_checkpoint(model_dir, lazy=split is not None, action="load")
+    if split is not None:
+        split(model)
     setattr(model, SOURCE, model_dir)
     return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
 
@@ -219,18 +225,14 @@ def _load_split(path_or_repo, dtype: str, sharding: str, group):
     group = group if group is not None else mx.distributed.init()
     if group.size() == 1:
         return load(path_or_repo, dtype=dtype)
-    from mlx_lm.utils import load_tokenizer
-
-    from .converters.hf import load_checkpoint
-
     if group.rank() == 0:
         model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
     distributed.barrier(group)
     if group.rank() != 0:
         model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
-    check_model_dir(model_dir)
-    model, config = load_checkpoint(model_dir, lazy=True, action="load")
-    distributed.split_model(model, sharding, group)
-    distributed.barrier(group)
-    setattr(model, SOURCE, model_dir)
-    return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+
+    def split(model):
+        distributed.split_model(model, sharding, group)
+        distributed.barrier(group)
+
+    return _load_mlx(model_dir, split)

@@ -64,7 +64,7 @@ def split_model(model, sharding: str, group) -> Stage:
         raise ValueError("a split target's recurrent layers must be of a kind mlxspec re-runs "
                          "alone (Gated DeltaNet, Mamba-2, short convolutions); this model's are "
                          "not")
-    stage = (split_pipeline if sharding == "pipeline" else split_tensors)(model, group)
+    stage = (split_pipeline if sharding == "pipeline" else split_tensors)(model, group, caches)
     mx.eval(model.parameters())
     object.__setattr__(model, STAGE, stage)
     stage.link = Link(group)

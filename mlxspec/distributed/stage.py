@@ -135,9 +135,6 @@ class Stage:
         elsewhere (its placeholder never touches a cache) shows the rank's first cache of the
         same kind, so a mask the model builds from any slot counts the positions this rank holds;
         a kind this rank runs no layer of shows a spare (its mask feeds no layer here)."""
-        cache = list(cache)
-        if not self.kinds:  # one kind of cache throughout
-            return [cache[0]] * self.start + cache + [cache[-1]] * (self.num_layers - self.end)
         own = dict(zip(range(self.start, self.end), cache))
         first = {}
         for i, c in own.items():
@@ -181,23 +178,20 @@ def layer_split(num_layers: int, size: int, rank: int) -> tuple[int, int]:
     return start, start + counts[rank]
 
 
-def split_pipeline(model, group) -> Stage:
-    """Keep this rank's layers of `model` (loaded lazily: the others' weights are never read)."""
+def split_pipeline(model, group, caches: list) -> Stage:
+    """Keep this rank's layers of `model` (loaded lazily: the others' weights are never read);
+    `caches` are the whole model's, one per layer (mlx-lm's make_prompt_cache, checked)."""
     layers = decoder_layers(model)
     if group.size() > len(layers):
         raise ValueError(f"a pipeline over {group.size()} ranks needs at least as many layers; "
                          f"this model has {len(layers)}")
-    whole = _whole_caches(model)
-    check_caches_per_layer(whole, layers)
     start, end = layer_split(len(layers), group.size(), group.rank())
     for i, layer in enumerate(layers):
         if not start <= i < end:
             layers[i] = _HeldElsewhere(layer)
-    stage = Stage(group, "pipeline", start, end, len(layers))
-    kinds = tuple(type(c) for c in whole)
-    if len(set(kinds)) > 1:
-        stage.kinds = kinds
-        stage.spares = {kind: c for kind, c in zip(kinds, whole)}
+    kinds = tuple(type(c) for c in caches)
+    stage = Stage(group, "pipeline", start, end, len(layers), kinds=kinds,
+                  spares=dict(zip(kinds, caches)))
     _keep_own_caches(model, stage)
     return stage
 
@@ -208,9 +202,10 @@ def check_caches_per_layer(caches: list, layers: list) -> None:
                          f"{len(caches)} caches for {len(layers)} layers (some layers keep none)")
 
 
-def split_tensors(model, group) -> Stage:
+def split_tensors(model, group, caches: list) -> Stage:
     """Split every layer's projections across the group with mlx-lm's own `shard`, after
-    checking that the head counts and widths divide (mlx-lm divides without checking)."""
+    checking that the head counts and widths divide (mlx-lm divides without checking);
+    `caches` are the whole model's."""
     if not hasattr(model, "shard"):
         raise ValueError(f"mlx-lm has no tensor-parallel sharding for "
                          f"{getattr(model, 'model_type', type(model).__module__)!r}; "
@@ -227,7 +222,9 @@ def split_tensors(model, group) -> Stage:
                          f"has {listed}: use --shard pipeline")
     model.shard(group)
     num_layers = len(decoder_layers(model))
-    return Stage(group, "tensor", 0, num_layers, num_layers)
+    kinds = tuple(type(c) for c in caches)
+    return Stage(group, "tensor", 0, num_layers, num_layers, kinds=kinds,
+                 spares=dict(zip(kinds, caches)))
 
 
 def _keep_own_caches(model, stage: Stage) -> None:
@@ -242,11 +239,9 @@ def _keep_own_caches(model, stage: Stage) -> None:
     object.__setattr__(model, "make_cache", make_cache)
 
 
-def _whole_caches(model) -> list:
-    return model.make_cache() if hasattr(model, "make_cache") else _default_caches(model)
-
-
 def _default_caches(model) -> list:
+    """mlx-lm's make_prompt_cache for a model without `make_cache` (it cannot be called once the
+    model has ours: it would call ours)."""
     from mlx_lm.models.cache import KVCache
 
     return [KVCache() for _ in decoder_layers(model)]
