@@ -13,7 +13,7 @@ from typing import Optional, Union
 from .atomic import OUTPUT_FIX, atomic_output_dir, check_output_dir, temp_dir_in
 from .dflash import convert_dflash, is_dflash_checkpoint
 from .gguf import convert_gguf
-from .hf import convert_hf, looks_like_repo_id, resolve_hf_source
+from .hf import check_quantization, convert_hf, looks_like_repo_id, resolve_hf_source
 
 __all__ = [
     "atomic_output_dir",
@@ -67,6 +67,7 @@ def convert(
     Other ``options`` go to :func:`convert_gguf` (``keep_quantized``,
     ``progress``) or :func:`convert_hf` (``revision``).
     """
+    check_quantization(q_bits, q_group_size)
     if resolve_source_kind(source) != "gguf":
         if is_dflash_checkpoint(resolve_hf_source(source, options.get("revision"))):
             if quantize:

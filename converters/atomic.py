@@ -3,16 +3,22 @@
 A conversion writes into a hidden sibling directory and renames it into place
 only when everything succeeded. A crash, an exception or Ctrl-C never leaves a
 half-written directory under the final name, where `mlx_lm.load` would pick it
-up.
+up. A process killed outright (SIGKILL, power loss) cannot clean up after
+itself: its scratch directory carries its pid and host, and the next writer
+into the same directory removes those whose process is gone.
 """
 
 import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator, Union
+
+from ..checkpoint_checks import CODE_SUFFIXES
 
 OUTPUT_FIX = "choose another output directory (-o)"
 # MLX's writers raise RuntimeError, not OSError, when a file cannot be opened or written.
@@ -48,6 +54,7 @@ def atomic_output_dir(
     tmp = temp_dir_in(out_dir.parent, f".{out_dir.name}.partial-", OUTPUT_FIX)
     try:
         yield tmp
+        _remove_code_files(tmp)
         _publish(tmp, out_dir, overwrite)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -63,13 +70,59 @@ def temp_dir_in(directory: Path, prefix: str, fix: str) -> Path:
     """mkdtemp in `directory` (created if missing); an OSError naming it and `fix` if it fails.
 
     A read-only or full disk, a file where a directory should be, or missing permissions would
-    otherwise surface as a bare errno from deep inside a conversion.
+    otherwise surface as a bare errno from deep inside a conversion. The name carries this
+    process's pid and host (`{prefix}{pid}@{host}-XXXXXXXX`), and scratch directories left in
+    `directory` by dead processes are removed first (`remove_stale_temp_dirs`).
     """
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
+        remove_stale_temp_dirs(directory)
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}@{_host()}-", dir=directory))
     except OSError as err:
         raise _unwritable_dir_error(directory, err, fix) from err
+
+
+# The scratch directories temp_dir_in makes: a conversion's output (.partial-), a requantized
+# GGUF's dense copy (.dense-) and the cache's write test. Not .old-: between _publish's two
+# renames it holds the only copy of the directory being replaced.
+_SCRATCH = re.compile(
+    r"^\.(?:.+\.(?:partial|dense)|write-test)-(?P<pid>\d{1,10})@(?P<host>[\w.-]+)-\w{8}$")
+
+
+def _host() -> str:
+    return re.sub(r"[^\w.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; not a pid of ours
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(directory: Path) -> list[Path]:
+    """Remove the scratch directories of writers on this host whose process has ended (killed
+    mid-write); returns them. A live writer's, or another host's (a shared disk, where a pid
+    says nothing), is left alone, so concurrent conversions into one directory are safe."""
+    stale = []
+    for entry in directory.iterdir():
+        match = _SCRATCH.match(entry.name)
+        if (match and match["host"] == _host() and not _process_alive(int(match["pid"]))
+                and entry.is_dir() and not entry.is_symlink()):
+            shutil.rmtree(entry, ignore_errors=True)
+            stale.append(entry)
+    return stale
+
+
+def _remove_code_files(directory: Path) -> None:
+    """A converted model holds weights, configs and tokenizer files, never code (a tokenizer's
+    save_pretrained copies its custom .py files)."""
+    for path in directory.rglob("*"):
+        if path.suffix.lower() in CODE_SUFFIXES and (path.is_file() or path.is_symlink()):
+            path.unlink()
 
 
 def _unwritable_dir_error(directory: Path, err: OSError, fix: str) -> OSError:

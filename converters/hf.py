@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
+from ..checkpoint_checks import check_config, check_no_remote_code, load_tokenizer
 from ..file_checks import check_safetensors, one_line, read_json_object
 from .atomic import atomic_output_dir, check_output_dir
 
@@ -38,6 +39,23 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# What MLX's affine quantization takes (mlx 0.32: mx.quantize refuses other bits and group
+# sizes, and a group size of 0 crashes the process; mlx-lm silently reads 0 as its default 64).
+Q_BITS = (1, 2, 3, 4, 5, 6, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+
+
+def check_quantization(q_bits, q_group_size) -> None:
+    """Refuse bits or a group size MLX cannot quantize with, before any conversion work."""
+    for name, value, allowed in (("q_bits", q_bits, Q_BITS),
+                                 ("q_group_size", q_group_size, Q_GROUP_SIZES)):
+        flag = "--" + name.replace("_", "-")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} ({flag}) must be an integer, got {value!r}")
+        if value not in allowed:
+            raise ValueError(f"{name} ({flag}) must be one of {', '.join(map(str, allowed))} "
+                             f"(MLX affine quantization), got {value}")
 
 
 def looks_like_repo_id(source: str) -> bool:
@@ -135,8 +153,9 @@ def check_weights(path: Path) -> None:
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"No config.json in {path}.")
-    read_json_object(path / "config.json")  # mlx-lm's JSON errors name no file
-    check_safetensors(safetensors)
+    config = read_json_object(path / "config.json")  # mlx-lm's JSON errors name no file
+    check_no_remote_code(path)
+    check_config(config, path / "config.json", check_safetensors(safetensors))
 
 
 # Hybrid models whose mlx-lm class makes every `full_attention_interval`-th layer an attention
@@ -407,10 +426,11 @@ def convert_hf(
     Returns:
         The path of the converted model directory.
     """
-    from mlx_lm.utils import load_tokenizer, quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model, save_config, save_model
 
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}.")
+    check_quantization(q_bits, q_group_size)
     out_dir = check_output_dir(out_dir, overwrite)
     src = resolve_hf_source(source, revision)
     check_weights(src)

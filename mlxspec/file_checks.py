@@ -82,16 +82,14 @@ def _safetensors_header(path: Path) -> tuple[dict | None, str | None]:
     return header, None
 
 
-def safetensors_problem(path: Path) -> str | None:
-    """Check a safetensors header against itself and the file size, without reading tensors."""
-    return _safetensors_header(path)[1]
-
-
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape in a safetensors file's header, without reading tensors."""
+    """Each tensor's shape in a safetensors file's header, without reading tensors; ValueError
+    for a truncated or corrupted file."""
     header, problem = _safetensors_header(path)
     if problem:
-        raise ValueError(f"{path}: {problem}")
+        raise ValueError(
+            f"corrupted safetensors file {path}: {problem}; download or convert it again"
+        )
     return {name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"}
 
 
@@ -100,11 +98,10 @@ def safetensors_names(path: Path) -> list[str]:
     return list(safetensors_shapes(path))
 
 
-def check_safetensors(files: Iterable[Path]) -> None:
-    """ValueError for the first truncated or corrupted file, before MLX or torch reads it."""
+def check_safetensors(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
+    """ValueError for the first truncated or corrupted file, before MLX or torch reads it;
+    returns every tensor's shape, from the headers (what configs are checked against)."""
+    shapes = {}
     for path in files:
-        problem = safetensors_problem(path)
-        if problem:
-            raise ValueError(
-                f"corrupted safetensors file {path}: {problem}; download or convert it again"
-            )
+        shapes.update(safetensors_shapes(path))
+    return shapes

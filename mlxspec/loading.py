@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from .checkpoint_checks import check_config, check_no_remote_code
 from .file_checks import check_safetensors, read_json_object
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -45,12 +46,13 @@ def check_model_dir(path: Path) -> None:
     for name in ("generation_config.json", "hf_quant_config.json"):
         if (path / name).is_file():
             read_json_object(path / name)
+    check_no_remote_code(path)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         pickled = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
         raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
-    check_safetensors(weights)
+    check_config(config, config_path, check_safetensors(weights))
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError(f"{config_path} has no model_type")
@@ -199,8 +201,7 @@ def _load_mlx(model_dir: Path, split=None):
     """mlx_lm.load, with the config read as transformers 5 writes it (a Hugging Face directory
     of a hybrid model loads as it converts); missing or misshapen weights are one line. With
     `split`, the model loads lazily and split(model) keeps and reads this rank's share."""
-    from mlx_lm.utils import load_tokenizer
-
+    from .checkpoint_checks import load_tokenizer
     from .converters.hf import load_checkpoint
 
     check_model_dir(model_dir)

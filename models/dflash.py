@@ -24,7 +24,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..file_checks import check_safetensors, read_json, read_json_object
+from ..checkpoint_checks import check_checkpoint_config
+from ..file_checks import check_safetensors, read_json
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -290,10 +291,11 @@ class DFlashModel(nn.Module):
 
 
 def read_config(path: Path) -> dict:
+    """config.json, its numbers checked against the weights' headers (check_checkpoint_config)."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} has no config.json; it is not a DFlash checkpoint")
-    return read_json_object(config_path)
+    return check_checkpoint_config(config_path)
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"

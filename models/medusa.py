@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..checkpoint_checks import check_config
 from ..file_checks import read_json_object, safetensors_shapes
 
 WEIGHTS = "medusa_lm_head.safetensors"
@@ -115,6 +116,7 @@ def read_config(path: Path) -> dict:
         raise ValueError(f"{path} has no config.json: a Medusa checkpoint is a directory with "
                          f"config.json (medusa_num_heads, medusa_num_layers) and {WEIGHTS}")
     config = read_json_object(config_file)
+    check_config(config, config_file)
     settings = config.get("medusa_config", config)  # Medusa-2 exports nest them
     counts = {}
     for key, least in (("medusa_num_heads", 1), ("medusa_num_layers", 0)):
@@ -166,6 +168,7 @@ def check_checkpoint(path: Path, hidden: int, vocab: int) -> dict:
     file = weights_file(path)
     shapes = {published_name(n): s for n, s in safetensors_shapes(file).items()}
     heads, layers = settings["num_heads"], settings["num_layers"]
+    _check_counts_against_file(path / "config.json", file, shapes, heads, layers)
     own = any(name.endswith(f".{layers}.weight") for name in shapes)
     wanted = expected_shapes(heads, layers, hidden, vocab, own)
     missing, extra = sorted(set(wanted) - set(shapes)), sorted(set(shapes) - set(wanted))
@@ -180,6 +183,21 @@ def check_checkpoint(path: Path, hidden: int, vocab: int) -> dict:
             f"{file}: {wrong} has shape {shapes[wrong]}, this target (hidden size {hidden}, "
             f"vocabulary {vocab}) needs {wanted[wrong]}: the heads were trained for another model")
     return {**settings, "own_projection": own}
+
+
+def _check_counts_against_file(config_file: Path, file: Path, shapes: dict, heads: int,
+                               layers: int) -> None:
+    """No more heads or blocks than the file holds, checked before a name is listed for each
+    (a config's count, not the file, would size that list)."""
+    parts = [name[len(PREFIX):].split(".")[:2] for name in shapes]
+    held_heads = len({part[0] for part in parts})
+    held_layers = max((int(part[1]) + 1 for part in parts if part[1:] and part[1].isdigit()),
+                      default=0)
+    for key, count, held in (("medusa_num_heads", heads, held_heads),
+                             ("medusa_num_layers", layers, held_layers)):
+        if count > held:
+            raise ValueError(f"{config_file}: {key} is {count}, but {file} holds {held}; fix "
+                             "the config or use the checkpoint it belongs to")
 
 
 def load_heads(path: Path, hidden: int, vocab: int, target_head=None, dtype=None) -> MedusaHeads:

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..file_checks import read_json_object
+from ..checkpoint_checks import check_checkpoint_config
 from ..loading import backend_of
 from ..models.dflash import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Model
@@ -35,7 +35,7 @@ def read_config(path: Path) -> Eagle3Config:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} has no config.json; it is not an EAGLE-3 checkpoint")
-    return Eagle3Config.from_dict(read_json_object(config_path))
+    return check_checkpoint_config(config_path, Eagle3Config.from_dict)
 
 
 def canonical_name(name: str) -> str:

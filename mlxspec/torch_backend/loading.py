@@ -77,9 +77,9 @@ def check_size_against_files(model_dir: Path) -> None:
 
     try:
         with quiet_transformers():
-            config = AutoConfig.from_pretrained(str(model_dir))
+            config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
             with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(config)
+                skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except (KeyError, ValueError) as err:  # an architecture transformers does not know
         raise ValueError(f"transformers cannot load {model_dir}: {one_line(err, 300)}") from None
     wanted = sum(p.numel() for p in skeleton.parameters())
@@ -108,8 +108,8 @@ def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype)
     check_size_against_files(Path(model_dir))
     try:
         with quiet_transformers():  # its load report would come before our one line
-            model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
-                                                               output_loading_info=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=dtype, output_loading_info=True, trust_remote_code=False)
     except (KeyError, ValueError) as err:  # an architecture transformers does not know
         raise ValueError(f"transformers cannot load {model_dir}: {err}") from None
     except RuntimeError as err:  # e.g. a tensor of another shape
@@ -129,7 +129,7 @@ def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype)
 
 def load(model_dir: Path, *, device=None, dtype=None):
     """(transformers model, mlx-lm TokenizerWrapper) for a converted model directory."""
-    from mlx_lm.utils import load_tokenizer
+    from ..checkpoint_checks import load_tokenizer
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
