@@ -1,8 +1,14 @@
 """A smaller model with the same tokenizer drafts K tokens autoregressively.
 
-Its KV cache keeps the longest prefix that is still valid after each verification, so a step feeds
+Its cache keeps the longest prefix that is still valid after each verification, so a step feeds
 only the tokens the draft model has not seen. Drafting is lazy: the K draft steps and the target's
 verification form one graph, evaluated once.
+
+A hybrid draft model (Qwen3.5, Qwen3-Next: recurrent layers beside attention) rolls back with the
+target's machinery (mlxspec.rollback): attention caches are cut, recurrent states put back. Its
+drafts are fed one position per call, so the recurrent states after each of them are already
+there, and kept: a rollback to a kept length selects the states recorded there, computing
+nothing. Any other length goes back to the states from before the step's feed and feeds again.
 """
 
 import mlx.core as mx
@@ -10,6 +16,14 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..engine import Draft, Drafter, Verdict, common_prefix_length
 from ..mlx_backend import untrimmable_caches
+from ..rollback import (
+    attention_trimmable,
+    is_recurrent,
+    recurrent_layers,
+    restore,
+    snapshot,
+    trim_attention,
+)
 from ..sampling import SamplingConfig, processed_logprobs
 
 
@@ -36,37 +50,55 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model):
         self.model = model
-        self.cache = make_prompt_cache(model)
-        bad = untrimmable_caches(self.cache)
+        self._fresh_cache()
+        bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
         if bad:
             raise ValueError(f"draft model cache {', '.join(bad)} cannot roll back")
-        self._seen: list[int] = []  # tokens whose K/V are in self.cache (host values)
         self._fed_drafts = 0  # drafts fed to the cache this step, known after verification
 
-    def begin(self, prompt, features=None):
+    def _fresh_cache(self) -> None:
         self.cache = make_prompt_cache(self.model)
-        self._seen = []
+        self._recurrent = recurrent_layers(self.cache)
+        self._seen: list[int] = []  # tokens the cache holds (host values)
+        # Length -> the recurrent layers' states when the cache held that many of `_seen`: the
+        # lengths a rollback can reach without feeding (none needed without recurrent layers).
+        self._states = {0: snapshot(self._recurrent)}
+
+    def begin(self, prompt, features=None):
+        self._fresh_cache()
+
+    def _remember_states(self, length: int) -> None:
+        """Keep the recurrent states of now, when the cache holds `length` positions."""
+        if self._recurrent:
+            self._states[length] = snapshot(self._recurrent)
 
     def _rewind_to(self, tokens: list[int]) -> int:
-        """Trim the cache to the longest prefix shared with `tokens`; return its length."""
+        """Cut the cache back to the longest prefix shared with `tokens` that it can reach (for a
+        recurrent layer, a length whose states it kept); return that length."""
         keep = common_prefix_length(self._seen, tokens)
         keep = min(keep, len(tokens) - 1)  # always re-feed at least the last token
+        if self._recurrent:
+            keep = max((n for n in self._states if n <= keep), default=-1)
         drop = len(self._seen) - keep
         if drop > 0:
-            if all(c.is_trimmable() for c in self.cache):
-                for c in self.cache:
-                    c.trim(drop)
-            else:
-                self.cache, keep = make_prompt_cache(self.model), 0
+            if keep < 0 or not attention_trimmable(self.cache):
+                self._fresh_cache()
+                return 0
+            trim_attention(self.cache, drop)
+            if self._recurrent:
+                restore(self._recurrent, self._states[keep])
         self._seen = self._seen[:keep]
         return keep
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         keep = self._rewind_to(tokens)
+        self._states = {}
+        self._remember_states(keep)  # the fallback: feed again from here
         inputs = mx.array(tokens[keep:], dtype=mx.int32)
         drafted, probs = [], []
         for i in range(k):
             logits = self.model(inputs[None], cache=self.cache)[0, -1]
+            self._remember_states(len(tokens) + i)  # tokens, then the first i drafts
             if sampling.greedy:
                 token = mx.argmax(logits, axis=-1)
             else:
