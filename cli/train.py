@@ -93,7 +93,26 @@ FEATURES_WITH = click.option(
 
 def check_run_options(options: dict) -> None:
     """One-line errors for the shared options, before anything loads."""
-    for name in ("steps", "batch_size", "save_every"):
+    from pathlib import Path
+
+    from mlxspec.training.data import SHAREGPT, jsonl_examples
+    from mlxspec.training.run import STATE_DIR, check_hyperparameters
+
+    try:
+        check_hyperparameters(lr=options["lr"])
+    except ValueError as err:
+        raise click.BadParameter(str(err).replace("lr ", "", 1), param_hint="--lr") from None
+    if options["prompts"] != SHAREGPT:  # read once here: a bad file is refused before loading
+        try:
+            jsonl_examples(options["prompts"], options.get("num_prompts"))
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--prompts") from None
+    state = Path(options["out"]).expanduser() / STATE_DIR / "state.json"
+    if not options.get("resume") and state.is_file():
+        raise click.UsageError(f"{options['out']} already holds a training run; pass --resume "
+                               "to continue it, or choose another --out")
+    for name in ("steps", "batch_size", "save_every", "max_seq_len", "max_new_tokens",
+                 "generate_batch_size", "num_prompts"):
         if options.get(name) is not None and options[name] < 1:
             raise click.BadParameter(f"must be >= 1, got {options[name]}",
                                      param_hint="--" + name.replace("_", "-"))
@@ -103,7 +122,11 @@ def check_run_options(options: dict) -> None:
                                  param_hint="--stop-after")
     if stop_after is not None and stop_after < 0:
         raise click.BadParameter(f"must be >= 0, got {stop_after}", param_hint="--stop-after")
-    if options.get("minutes") is not None and options["minutes"] <= 0:
+    for name in ("warmup", "heldout", "eval_every", "eval_prompts"):
+        if options.get(name) is not None and options[name] < 0:
+            raise click.BadParameter(f"must be >= 0, got {options[name]}",
+                                     param_hint="--" + name.replace("_", "-"))
+    if options.get("minutes") is not None and not options["minutes"] > 0:  # nan too
         raise click.BadParameter(f"must be > 0, got {options['minutes']}", param_hint="--minutes")
 
 
@@ -189,7 +212,7 @@ def dflash(target, dtype, generate_with, backend, device, **options):
     for name in ("layers", "anchors"):
         if options[name] is not None and options[name] < 1:
             raise click.BadParameter(f"must be >= 1, got {options[name]}", param_hint=f"--{name}")
-    if options["gamma"] is not None and options["gamma"] <= 0:
+    if options["gamma"] is not None and not 0 < options["gamma"] < float("inf"):
         raise click.BadParameter(f"must be > 0, got {options['gamma']}", param_hint="--gamma")
     if options["block_size"] < 2:
         raise click.BadParameter(f"must be >= 2, got {options['block_size']}",

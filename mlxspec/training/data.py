@@ -105,28 +105,47 @@ def jsonl_examples(path, limit=None) -> list[tuple[str, str | None]]:
     """One record a line: {"prompt": ...[, "response": ...]}, {"text": ...}, a messages /
     conversations record, or a bare JSON string. Lines of a .txt file are prompts."""
     path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"prompts file {path} not found: give a .jsonl or .txt file, or "
+                         "'sharegpt'")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if path.suffix == ".txt":
-                out.append((line.rstrip("\n"), None))
-            else:
-                rec = json.loads(line)
-                if isinstance(rec, str):
-                    out.append((rec, None))
-                elif "prompt" in rec or "text" in rec:
-                    answer = rec.get("response", rec.get("completion"))
-                    out.append((rec.get("prompt", rec.get("text")), answer))
-                else:
-                    ex = first_exchange(rec)
-                    if ex is None:
-                        raise ValueError(f"{path}:{n}: no prompt, text or user message")
-                    out.append(ex)
-            if limit is not None and len(out) >= limit:
-                break
+    with open(path, encoding="utf-8") as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                out.append((line.rstrip("\n"), None) if path.suffix == ".txt"
+                           else _jsonl_example(line, f"{path}:{n}"))
+                if limit is not None and len(out) >= limit:
+                    break
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text (byte 0x{err.object[err.start]:02x}) after "
+                             f"line {len(out)}") from None
     return out
+
+
+def _jsonl_example(line: str, where: str) -> tuple[str, str | None]:
+    """(prompt, answer or None) of one .jsonl line; ValueError naming `where` (file:line) for
+    a line that is not JSON or not a record of text."""
+    try:
+        rec = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"{where}: not JSON ({err})") from None
+    if isinstance(rec, str):
+        return rec, None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON string or object, got {type(rec).__name__}")
+    if "prompt" in rec or "text" in rec:
+        prompt = rec.get("prompt", rec.get("text"))
+        answer = rec.get("response", rec.get("completion"))
+    else:
+        ex = first_exchange(rec)
+        if ex is None:
+            raise ValueError(f"{where}: no prompt, text or user message")
+        prompt, answer = ex
+    if not isinstance(prompt, str) or not (answer is None or isinstance(answer, str)):
+        raise ValueError(f"{where}: the prompt and response must be strings")
+    return prompt, answer
 
 
 def load_examples(source, limit=None) -> list[tuple]:

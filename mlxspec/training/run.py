@@ -13,6 +13,7 @@ cut from a sequence, the tensor math of a step, and the checkpoint it writes.
 """
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafters.dflash import target_embedding, target_sizes
+from ..generate import check_count
 from .data import (
     SequenceStore,
     _atomic_save_safetensors,
@@ -51,6 +53,22 @@ class TrainResult:
     taus: list = field(default_factory=list)  # (step, τ)
     block_tokens_per_s: float = 0.0
     loss_vocab_share: float | None = None  # of the answer tokens, with a loss vocabulary
+
+
+class TrainingDiverged(ValueError):
+    """The loss or the weights stopped being finite: the run stops, its last good checkpoint
+    kept."""
+
+
+def check_hyperparameters(**values) -> None:
+    """Finite positive numbers (lr, grad_clip; weight_decay may be 0), refused before any
+    compute: `lr=nan` once trained to all-NaN weights with exit status 0. Names as given."""
+    for name, value in values.items():
+        least = 0 if name == "weight_decay" else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or (value < 0 if least == 0 else value <= 0):
+            bound = ">= 0" if least == 0 else "> 0"
+            raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 @dataclass
@@ -96,8 +114,26 @@ class RunSettings:
     def state_dir(self) -> Path:
         return self.out / STATE_DIR
 
+    def check_writable(self) -> None:
+        """The output directory can be written, before any data or compute: a read-only one
+        otherwise failed at the first save with a bare "[Errno 30]"."""
+        import tempfile
+
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=self.out))
+        except OSError as err:
+            raise OSError(f"cannot write the training output directory {self.out} "
+                          f"({err.strerror or err}); choose a writable one") from None
+
     def check(self) -> None:
         """Refuse bad options before any compute (one-line errors)."""
+        check_hyperparameters(lr=self.lr, weight_decay=self.weight_decay,
+                              grad_clip=self.grad_clip)
+        for name in ("batch_size", "max_seq_len", "save_every"):
+            check_count(name, getattr(self, name))
+        if self.warmup is not None:
+            check_count("warmup", self.warmup, minimum=0)
         if self.labels not in ("text", "target"):
             raise ValueError(f"labels must be 'text' or 'target', got {self.labels!r}")
         if self.minutes is not None and not self.minutes > 0:
@@ -117,6 +153,7 @@ class RunSettings:
         if self.stop_after is not None and not 0 <= self.stop_after <= horizon:
             raise ValueError(f"stop_after must be within 0..steps ({self.steps}), "
                              f"got {self.stop_after}")
+        self.check_writable()
 
 
 class Recipe:
@@ -533,9 +570,14 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
     if run.resume:
         math.load_optimizer(state_dir)
 
+    saved_step = step if run.resume else None  # the step of the checkpoint on disk
+
     def save():
-        state_dir.mkdir(parents=True, exist_ok=True)
+        nonlocal saved_step
         current = math.weights()
+        if not all(mx.isfinite(w).all().item() for w in current.values()):
+            stop(f"the weights after step {step} are not finite")
+        state_dir.mkdir(parents=True, exist_ok=True)
         recipe.write(out, config, current, inv_scale, loss_ids)
         _atomic_save_safetensors(state_dir / "params.safetensors", current, tmp_dir=state_dir)
         math.save_optimizer(state_dir)
@@ -547,6 +589,13 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
             "max_seq_len": run.max_seq_len, "labels": run.labels, **recipe.state(),
             "log": state["log"],
         }, indent=1))
+        saved_step = step
+
+    def stop(problem: str):
+        kept = (f"the checkpoint in {out} is the last good one (step {saved_step})"
+                if saved_step is not None else "nothing was saved")
+        raise TrainingDiverged(f"training stopped: {problem}; {kept}. Lower the learning rate "
+                               "(lr) or check the data")
 
     def next_sequence():
         nonlocal epoch, cursor, epoch_sizes
@@ -596,6 +645,8 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
             loss, correct = math.step(batch)
             seconds = time.perf_counter() - t0
             step += 1
+            if not np.isfinite(loss):
+                stop(f"the loss at step {step} is {loss}")
             timed_tokens += n_tokens
             step_seconds.append(seconds)
             if fit_to_time and step == fit_at:  # the warmup is timed: fit the rest into the time
