@@ -13,6 +13,9 @@ from mlxspec.drafters import registry  # noqa: E402  (after OpenBLAS is loaded a
 from mlxspec.loading import BACKENDS  # noqa: E402
 
 
+POSITIVE = click.IntRange(min=1)  # a count: 0 or -1 would mean "none" or "all", silently
+
+
 class DrafterChoice(click.Choice):
     """--drafter's choices, read from the drafter registry when a command runs (a drafter
     registered after this module was imported is offered too)."""
@@ -154,6 +157,54 @@ def _check_decoding(num_draft, max_tokens, drafter="none", draft_model=None, opt
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
 
 
+def _config_before_loading(folder) -> dict | None:
+    """A config.json read without loading anything; None where there is none yet (a .gguf, a
+    repo id, the default model before its first conversion) or it does not parse (the load
+    names that problem)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _check_against_target(model, dtype, drafter, draft_model, options):
+    """What the target's and the drafter's config.json already refuse, before any weight loads:
+    --exit-layer past the target's layers, --block-size past the DFlash checkpoint's block.
+    Where a config cannot be read yet, the load refuses it as before."""
+    from mlxspec.loading import DEFAULT_MODEL_NAME, cache_dir
+
+    folder = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}" if model is None else model
+    target = _config_before_loading(folder) or {}
+    layers = target.get("num_hidden_layers", target.get("text_config", {}).get("num_hidden_layers"))
+    exit_layer = options.get("exit_layer")
+    if exit_layer is not None and isinstance(layers, int) and not 1 <= exit_layer < layers:
+        raise click.BadParameter(f"must be in 1..{layers - 1} for this {layers}-layer target, "
+                                 f"got {exit_layer}", param_hint="--exit-layer")
+    block_size = options.get("block_size")
+    if block_size is None or registry.drafter_kind(drafter).model_name != "dflash":
+        return
+    blocks = [c.get("block_size") for c in map(_config_before_loading, _dflash_checkpoints(
+        draft_model, target)) if c]
+    if blocks and all(isinstance(b, int) for b in blocks) and not 2 <= block_size <= max(blocks):
+        raise click.BadParameter(f"must be between 2 and the checkpoint's {max(blocks)}, got "
+                                 f"{block_size}", param_hint="--block-size")
+
+
+def _dflash_checkpoints(draft_model, target: dict) -> list:
+    """The DFlash checkpoint(s) a run may load: --draft-model, else those shipped for a target
+    of these sizes (which one is told by its weights, once loaded)."""
+    from mlxspec.drafters.dflash import shipped_candidates
+
+    if draft_model:
+        return [draft_model]
+    sizes = (target.get("hidden_size"), target.get("vocab_size"), target.get("num_hidden_layers"))
+    return [folder for folder, _ in shipped_candidates(sizes)]
+
+
 def _options_for(drafter: str, values: dict) -> dict:
     """load_drafter options for `drafter` from the flags' values: the ones it takes, the
     defaults left out."""
@@ -203,10 +254,41 @@ def _backend_line(target) -> str:
     return BACKEND_PARTS[backend_of(target)]().describe(target)
 
 
-def build_prompt(tokenizer, messages, no_chat_template):
+def build_prompt(tokenizer, messages, no_chat_template, template: str = "the chat template"):
+    """The prompt text; a template that fails to render (a syntax error, a `raise_exception`, an
+    error of its own) is a ValueError naming `template` (where it came from)."""
     if no_chat_template or getattr(tokenizer, "chat_template", None) is None:
         return "\n".join(m["content"] for m in messages)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # noqa: BLE001  the template is the model's data, not our code
+        from mlxspec.file_checks import one_line
+
+        raise ValueError(f"{template} failed to render: {one_line(err)}; fix it, or pass "
+                         "--no-chat-template") from None
+
+
+def _template_name(target) -> str:
+    """Where the model's chat template lives, for messages: chat_template.jinja or
+    tokenizer_config.json in the directory it loaded from."""
+    from pathlib import Path
+
+    from mlxspec.loading import SOURCE
+
+    source = getattr(target, SOURCE, None)
+    if source is None:
+        return "the chat template"
+    jinja = Path(source) / "chat_template.jinja"
+    return f"chat template {jinja if jinja.exists() else Path(source) / 'tokenizer_config.json'}"
+
+
+def _read_stdin() -> str:
+    """Stdin as text, undecodable bytes kept as surrogates for `check_utf8` to name."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return sys.stdin.read()
+
+
 
 
 def _messages(system, history):
@@ -230,21 +312,24 @@ def generate(prompt, model, dtype, backend, device, shard, drafter, draft_model,
              verbose, **drafter_options):
     """Generate a reply to one prompt."""
     import mlxspec
-    from mlxspec.generate import format_stats
+    from mlxspec.generate import check_utf8, format_stats
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    try:
+        prompt = check_utf8(_read_stdin() if prompt == "-" else prompt, "the prompt")
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--prompt") from None
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
     _check_decoding(num_draft, max_tokens, drafter, draft_model, drafter_options,
                     temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
+    _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
                                         drafter_options, verbose, shard)
-    text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
-                        no_chat_template)
     last = None
     try:
+        text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
+                            no_chat_template, _template_name(target))
         for last in mlxspec.stream_generate(
             target, tokenizer, text, max_tokens, drafter=spec, num_draft=num_draft,
             adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -269,17 +354,21 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
          **drafter_options):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
-    from mlxspec.generate import BACKEND_PARTS
+    from mlxspec.generate import BACKEND_PARTS, check_utf8
 
     _check_decoding(num_draft, max_tokens, drafter, draft_model, drafter_options,
                     temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_backend(backend, device)
+    _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
                                         drafter_options, False, shard)
     color = sys.stdout.isatty() if color is None else color
     prompt_cache = BACKEND_PARTS[backend]().prompt_cache()  # turns prefill only what is new
     history = []
+    template = _template_name(target)
     click.echo("mlxspec chat: /reset clears the history, /quit exits.")
+    if hasattr(sys.stdin, "reconfigure"):  # a bad byte is refused per line, below
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input(">> ")
@@ -297,10 +386,16 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
             continue
         if not command:
             continue
+        try:
+            check_utf8(line, "the line")
+        except ValueError as err:  # the history stays as it was
+            click.echo(f"Error: {err}", err=True)
+            continue
         history.append({"role": "user", "content": line})
-        prompt = build_prompt(tokenizer, _messages(system, history), no_chat_template)
         reply, last = "", None
         try:
+            prompt = build_prompt(tokenizer, _messages(system, history), no_chat_template,
+                                  template)
             for last in mlxspec.stream_generate(
                 target, tokenizer, prompt, max_tokens, drafter=spec, num_draft=num_draft,
                 adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -338,8 +433,10 @@ def _turn_summary(r) -> str:
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Cast dense weights (GGUF default: float32).")
 @click.option("--quantize", "-q", is_flag=True, help="Quantize to MLX affine weights.")
-@click.option("--q-bits", type=int, default=4, show_default=True)
-@click.option("--q-group-size", type=int, default=64, show_default=True)
+@click.option("--q-bits", type=int, default=4, show_default=True,
+              help="Bits per quantized weight: 1, 2, 3, 4, 5, 6 or 8.")
+@click.option("--q-group-size", type=int, default=64, show_default=True,
+              help="Weights per quantization group: 32, 64 or 128.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 def convert(source, out_dir, dtype, quantize, q_bits, q_group_size, overwrite):
     """Convert a Hugging Face repo/directory or a .gguf file into an MLX model directory."""
@@ -385,22 +482,22 @@ def bench_drafter_options(f):
               callback=_csv(str), help="Comma-separated prompt suites.")
 @click.option("--temp", "temps", default="0", show_default=True, callback=_csv(float),
               help="Comma-separated temperatures.")
-@click.option("--max-tokens", "-n", type=int, default=128, show_default=True)
-@click.option("--limit", type=int, default=10, show_default=True, help="Prompts per suite.")
-@click.option("--num-draft", "-k", type=int, default=None)
+@click.option("--max-tokens", "-n", type=POSITIVE, default=128, show_default=True)
+@click.option("--limit", type=POSITIVE, default=10, show_default=True, help="Prompts per suite.")
+@click.option("--num-draft", "-k", type=POSITIVE, default=None)
 @click.option("--adaptive/--fixed-k", default=True, show_default=True,
               help="Adaptive draft length for our drafters; a drafter written name@K (e.g. "
                    "draft@4) always drafts K.")
 @click.option("--mlx-lm/--no-mlx-lm", "with_mlx_lm", default=None,
               help="Also run mlx-lm (plain, and --draft-model) on the same prompts "
                    "(default: on with --backend mlx; not available with --backend torch).")
-@click.option("--mlx-lm-num-draft", type=int, default=4, show_default=True)
+@click.option("--mlx-lm-num-draft", type=POSITIVE, default=4, show_default=True)
 @click.option("--llama-cpp/--no-llama-cpp", "with_llama_cpp", default=True, show_default=True,
               help="Also run llama.cpp (llama-cpp-python, if installed), plain and with its prompt "
                    "lookup, on the model's GGUF file; reported as skipped where it cannot run.")
 @click.option("--llama-cpp-gguf", default=None, type=click.Path(exists=True, dir_okay=False),
               help="GGUF file for llama.cpp (default: the model's own, when it was loaded from one).")
-@click.option("--llama-cpp-num-draft", type=int, default=10, show_default=True,
+@click.option("--llama-cpp-num-draft", type=POSITIVE, default=10, show_default=True,
               help="Tokens llama.cpp's prompt lookup drafts per step.")
 @click.option("--server", default=None, metavar="URL",
               help="Also run each of --drafters through a running `mlxspec serve` of the same "
@@ -543,8 +640,7 @@ def _emit_report(report, table, out, markdown, plot, plotter):
 def _bench_overhead(model, dtype, backend, drafters, suites, temps, max_tokens, limit, out,
                     markdown, plot):
     """`bench --overhead`: the tiny target needs only the model's tokenizer."""
-    from mlx_lm.utils import load_tokenizer
-
+    from mlxspec.checkpoint_checks import load_tokenizer
     from mlxspec.loading import resolve_model_dir
     from mlxspec.overhead import OVERHEAD_DRAFTERS, overhead_table, plot_overhead, run_overhead
 

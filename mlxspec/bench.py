@@ -199,6 +199,16 @@ def _llama_cpp(peer, tokenizer, prompt, max_tokens, temp, seed, result):
              stop_ids=tokenizer.eos_token_ids)
 
 
+def check_counts(**counts) -> None:
+    """Each count a positive integer (None: the default), before any prompt runs: --limit -1
+    once ran every prompt and --limit 0 none, with exit status 0."""
+    from .generate import check_count
+
+    for name, value in counts.items():
+        if value is not None:
+            check_count(name, value)
+
+
 def run_benchmark(
     model,
     tokenizer,
@@ -231,6 +241,8 @@ def run_benchmark(
     ({"engine", "reason"}: a drafter the target cannot run), reported with the peers'.
     `server` (a URL of a running `mlxspec serve` of the same model) runs each of our drafter
     labels through it too, as the engine "mlxspec serve", timed at the client."""
+    check_counts(max_tokens=max_tokens, limit=limit, num_draft=num_draft,
+                 mlx_lm_num_draft=mlx_lm_num_draft, llama_cpp_num_draft=llama_cpp_num_draft)
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")

@@ -62,6 +62,10 @@ class Verdict:
     next_token: int
     features: Any = None  # target hidden states of the newly committed positions, if asked for
     branch: list[int] | None = None  # a tree's committed nodes (1-based, root to leaf)
+    # If asked for (Target.launch's `logprobs`): per committed token, its log-probability and
+    # the n likeliest (token, log-probability) pairs, best first (see stream_generate).
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def committed(self) -> list[int]:
@@ -80,6 +84,11 @@ class Pass:
     next_token: Any  # device scalar: the pending token of a plain pass queued right after this
     features: Any  # device (num_draft + 1, H * layers), or None
     path_slots: int | None = None  # a tree's: nodes from the root, left-padded with the root
+    # Log-probabilities, if asked for: device floats [each draft's at the row that scores it,
+    # the next token's, then top_n per row of the pass], evaluated with `packed`; the top_n
+    # token ids of each row sit in `packed` after the path (see `verdict`).
+    scores: Any = None
+    top_n: int = 0
 
     def verdict(self) -> Verdict:
         host = self.packed.tolist()  # waits for the pass: its one host sync (MLX or torch alike)
@@ -90,8 +99,29 @@ class Pass:
             branch = path[len(path) - accepted :] if accepted else []
             rows = [0] + branch
         features = self.features[rows] if self.features is not None else None
-        return Verdict(draft_tokens=drafts, accepted=accepted, next_token=host[-1],
-                       features=features, branch=branch)
+        verdict = Verdict(draft_tokens=drafts, accepted=accepted, next_token=host[-1],
+                          features=features, branch=branch)
+        if self.scores is not None:
+            top_ids = host[self.num_draft + (self.path_slots or 0) : -2]
+            self._read_scores(verdict, top_ids)
+        return verdict
+
+    def _read_scores(self, verdict: Verdict, top_ids: list[int]) -> None:
+        """The committed tokens' log-probabilities: committed token j is scored by the row of
+        the node before it (0, then the branch's nodes). Evaluated with `packed`: no second wait."""
+        values = self.scores.tolist()
+        k, n = self.num_draft, self.top_n
+        nodes = verdict.branch
+        if nodes is None:  # a chain: its accepted drafts, node i scored by row i - 1
+            nodes = list(range(1, verdict.accepted + 1))
+        verdict.logprobs = [values[node - 1] for node in nodes] + [values[k]]
+        top_values = values[k + 1 :]
+        # A token the processing gives probability 0 (-inf) is no candidate: it is left out.
+        verdict.top_logprobs = [
+            [(top_ids[r * n + i], top_values[r * n + i]) for i in range(n)
+             if top_values[r * n + i] > float("-inf")]
+            for r in [0] + nodes
+        ]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,9 +141,12 @@ class Target(Protocol):
 
     def prefill(self, tokens: Sequence[int]) -> Any: ...
 
-    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig) -> Pass:
+    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig,
+               logprobs: int | None = None) -> Pass:
         """Queue one pass over [pending, drafts] and return without waiting for it; `pending`
-        may be a queued plain pass, whose next token is then read on the device."""
+        may be a queued plain pass, whose next token is then read on the device. With
+        `logprobs` n, the pass also scores the tokens it may commit and each row's n likeliest
+        in `reported_logprobs`'s distribution, read with its verdict (Verdict.logprobs)."""
         ...
 
     def trim(self, n: int) -> None:
@@ -138,9 +171,12 @@ class Drafter:
     """A source of drafts. Subclasses override `propose`; the rest is optional bookkeeping."""
 
     name = "none"
-    # The most drafts one proposal can hold: None for no limit (lookup, a draft model), a
-    # DFlash block's size - 1, 0 for plain decoding.
-    max_draft: int | None = None
+    # The most drafts one step may take, so a huge num_draft never means unbounded work: a chain
+    # drafted one model call per token (a draft model, EAGLE-3, MTP, LayerSkip) gains nothing
+    # past this, its acceptance decaying with each position; lookup copies up to 64; a DFlash
+    # block's size - 1, Medusa's heads, a tree's node budget; 0 for plain decoding. A larger
+    # num_draft is capped to it, as the most drafts per step it is.
+    max_draft: int = 32
     # Target layers whose outputs the drafter conditions on (DFlash, EAGLE); empty for most.
     capture_layers: tuple[int, ...] = ()
     default_num_draft = 1
@@ -337,8 +373,10 @@ class TreeBudget:
 
 
 def draft_limit(drafter: Drafter, num_draft: int) -> int:
-    """The most drafts a step verifies: `num_draft`, capped by what the drafter can propose."""
-    return num_draft if drafter.max_draft is None else min(num_draft, drafter.max_draft)
+    """The most drafts a step verifies: `num_draft`, capped by what the drafter can propose (a
+    drafter that sets no maximum gets the default one: work per step is always bounded)."""
+    cap = Drafter.max_draft if drafter.max_draft is None else drafter.max_draft
+    return min(num_draft, cap)
 
 
 def emitted_counts(verdict: Verdict, emitted: int) -> tuple[int, int]:
@@ -362,8 +400,11 @@ def speculative_tokens(
     adaptive: "bool | AdaptiveDraftLength" = False,
     stop_tokens: "set[int] | frozenset[int]" = frozenset(),
     overlap: bool = True,
-) -> Iterator[tuple[int, bool]]:
-    """Yield (token, from_draft) until max_tokens are produced or a stop token is (yielded last).
+    logprobs: int | None = None,
+) -> Iterator[tuple]:
+    """Yield (token, from_draft) until max_tokens are produced or a stop token is (yielded last);
+    with `logprobs` n, (token, from_draft, logprob, top_logprobs) scored by the target in the
+    pass that committed the token (Verdict.logprobs), at no extra sync.
 
     The target cache always holds every committed token but the last ("pending") one, so each
     verification pass starts from the pending token and yields at least one new token.
@@ -402,7 +443,8 @@ def speculative_tokens(
         draft = drafter.propose(tokens, k, sampling) if k > 0 else EMPTY_DRAFT
         if draft.parents is not None and not target.holds_trees():
             draft, stats.chain_fallback_steps = draft.first_chain(), stats.chain_fallback_steps + 1
-        queued = target.launch(tokens[-1] if pending is None else pending, draft, sampling)
+        queued = target.launch(tokens[-1] if pending is None else pending, draft, sampling,
+                               logprobs=logprobs)
         stats.launch_seconds += time.perf_counter() - start
         return queued
 
@@ -435,7 +477,10 @@ def speculative_tokens(
             elif step is None and overlap:
                 step = launch(choose_k(produced, len(tokens)) if k is None else k)
             for i, token in enumerate(new):
-                yield token, i < verdict.accepted
+                if logprobs is None:
+                    yield token, i < verdict.accepted
+                else:
+                    yield token, i < verdict.accepted, verdict.logprobs[i], verdict.top_logprobs[i]
             if finished:
                 return
             if step is None:

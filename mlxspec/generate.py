@@ -9,6 +9,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .distributed import DistributedError, LeaderTarget, cache_slot, follower, stage_of
 from .engine import Drafter, SpecStats, draft_limit, speculative_tokens
+from .generation_lock import one_generation_per_model
 from .loading import backend_of, check_backend
 from .mlx_backend import MLXTarget, PromptCache, context_length, vocab_size
 from .sampling import SamplingConfig, is_integer
@@ -16,7 +17,15 @@ from .sampling import SamplingConfig, is_integer
 
 @dataclass
 class GenerationResponse:
-    """One streamed piece of output; the last one has `finish_reason` set and final stats."""
+    """One streamed piece of output; the last one has `finish_reason` set and final stats.
+
+    Each response carries one token. The last one's is part of the output when `finish_reason`
+    is "length"; when it is "stop", `token` is the end-of-sequence token that stopped the
+    generation, which is not part of the output: it adds no text of its own (`text` holds only
+    what the detokenizer still held back) and `generation_tokens` does not count it. Its
+    `logprob` and `top_logprobs` are still the target's at that position (the chance of
+    stopping there), so a caller that lists the output's tokens leaves that last one out.
+    """
 
     text: str
     token: int
@@ -41,11 +50,30 @@ class GenerationResponse:
     # and waiting for their results; the rest of the time was host work between them.
     launch_seconds: float = 0.0
     wait_seconds: float = 0.0
+    # With stream_generate's `logprobs` n: `token`'s log-probability and the n likeliest tokens
+    # with theirs, best first (tokens of probability 0 left out); None and [] without.
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+MAX_LOGPROBS = 20  # OpenAI's most top_logprobs per token
+
+
+def check_logprobs(logprobs) -> None:
+    """`logprobs` of stream_generate: None, or how many likeliest tokens to list (0 to 20)."""
+    if logprobs is None:
+        return
+    if not is_integer(logprobs):
+        raise TypeError(f"logprobs must be an integer or None, got {logprobs!r} "
+                        f"({type(logprobs).__name__})")
+    if not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> list[int]:
     """Tokens of the prompt as given; a BOS is added unless the text already starts with one."""
     if isinstance(prompt, str):
+        check_utf8(prompt, "the prompt")
         bos = tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
         return tokenizer.encode(prompt, add_special_tokens=add_special)
@@ -55,6 +83,19 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> l
     if bad is not None:
         raise TypeError(f"prompt token ids must be integers, got {bad!r} ({type(bad).__name__})")
     return [int(t) for t in prompt]
+
+
+def check_utf8(text: str, what: str) -> str:
+    """`text` if it is valid UTF-8; else a ValueError naming the first bad byte (argv and stdin
+    carry undecodable bytes as surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = ord(text[err.start])
+        byte = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}"
+        raise ValueError(f"{what} is not valid UTF-8 text ({byte} at character {err.start}); "
+                         "re-encode it as UTF-8") from None
+    return text
 
 
 def check_count(name: str, value, minimum: int = 1) -> None:
@@ -141,6 +182,7 @@ def _as_wrapper(tokenizer) -> TokenizerWrapper:
     return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
 
 
+@one_generation_per_model  # safe from several threads: they take turns
 def stream_generate(
     model,
     tokenizer,
@@ -158,6 +200,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     backend: str | None = None,
     overlap: bool = True,
+    logprobs: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream the continuation of `prompt` (a string or token ids, used as given).
 
@@ -172,6 +215,13 @@ def stream_generate(
     `backend` ("mlx" or "torch") only checks that the model is of that kind.
     `overlap=False` stops queuing the next pass while the current one's tokens are handled (the
     output is the same; `mlxspec bench --overhead` uses it to measure the host's share).
+    `logprobs` n (0 to 20) gives each response the log-probability of its token and the n
+    likeliest tokens' (GenerationResponse.logprob, .top_logprobs), computed on the device in the
+    pass that verified the token, at no extra sync (None, the default, computes nothing). They
+    describe the target's own distribution at that position, never a drafter's: after the
+    request's processing (top-p, min-p, top-k, then temperature: the q every drafter's output
+    follows) when sampling; when greedy (temp 0) the target's raw log-softmax, temperature 1
+    and no truncation, as OpenAI reports greedy requests.
     """
     from .drafters import resolve_drafter
 
@@ -187,6 +237,7 @@ def stream_generate(
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     if num_draft is not None:
         check_count("num_draft", num_draft)
+    check_logprobs(logprobs)
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_request(parts, model, prompt_tokens, max_tokens)
     stage = stage_of(model)
@@ -231,9 +282,11 @@ def stream_generate(
         adaptive=adaptive,
         stop_tokens=eos,
         overlap=overlap,
+        logprobs=logprobs,
     )
 
-    def response(token, from_draft, n, finish_reason=None):
+    def response(token, from_draft, scores, n, finish_reason=None):
+        logprob, top = scores if scores else (None, [])
         elapsed = time.perf_counter() - gen_start
         return GenerationResponse(
             text=detokenizer.last_segment,
@@ -257,14 +310,16 @@ def stream_generate(
             num_draft=num_draft,
             launch_seconds=stats.launch_seconds,
             wait_seconds=stats.wait_seconds,
+            logprob=logprob,
+            top_logprobs=top,
         )
 
     start = time.perf_counter()
     prompt_tps, gen_start = 0.0, start
-    n, token, from_draft, finish_reason = 0, None, False, "length"
+    n, token, from_draft, scores, finish_reason = 0, None, False, (), "length"
     output = []
     try:
-        for token, from_draft in parts.run_steps(steps):
+        for token, from_draft, *scores in parts.run_steps(steps):  # scores: (logprob, top)
             output.append(token)
             if n == 0:
                 # Time to the first token is prefill plus one verify pass, as in mlx-lm.
@@ -277,9 +332,9 @@ def stream_generate(
             detokenizer.add_token(token)
             if n == max_tokens:
                 break
-            yield response(token, from_draft, n)
+            yield response(token, from_draft, scores, n)
         detokenizer.finalize()
-        yield response(token, from_draft, n, finish_reason)
+        yield response(token, from_draft, scores, n, finish_reason)
     except RuntimeError as err:  # MLX's distributed backends raise these when a rank is lost
         if stage is None or isinstance(err, DistributedError):
             raise

@@ -3,7 +3,7 @@
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled
 from .distributed import stage_of
@@ -11,7 +11,8 @@ from .early_exit import late_forward
 from .engine import Draft, Pass, Verdict
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
 from .prompt_cache import KeptCache
-from .sampling import SamplingConfig, sample_token
+from .rollback import is_recurrent, recurrent_layers, restore, snapshot, trim_attention
+from .sampling import SamplingConfig, reported_logprobs, sample_token
 from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
 from .tree import TreeShape
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
@@ -53,13 +54,6 @@ def untrimmable_caches(cache: list) -> list[str]:
     return sorted(set(names))
 
 
-def is_recurrent(cache) -> bool:
-    """mlx-lm's ArraysCache: state arrays (a convolution window, a recurrent state) that each pass
-    replaces rather than extends, as in the linear-attention layers of Qwen3-Next and Qwen3.5;
-    it cannot be cut back, only restored from a snapshot."""
-    return isinstance(cache, ArraysCache)
-
-
 # Where mlx-lm's hybrid layers keep the module that updates a recurrent state: Gated DeltaNet
 # (qwen3_next, qwen3_5), Mamba-2 (nemotron_h's `mixer`, also its attention and MLP blocks' name,
 # granitemoehybrid's `mamba`), gated short convolutions (lfm2's `conv`).
@@ -79,6 +73,26 @@ def state_mixers(model) -> list[tuple[object, str]]:
         if name is not None:
             mixers.append((layer, name))
     return mixers
+
+
+def committed_scores(logits, drafts, scored_at, next_row, next_token, sampling: SamplingConfig,
+                     top_n: int) -> tuple[mx.array, mx.array, int]:
+    """What a pass's logprobs need, lazily on the device (Pass.scores): each draft's
+    log-probability at the row that scores it (`scored_at`, its parent's), the next token's at
+    `next_row`, and each row's top_n (ids, values), best first. Returns (ids, values, n): top_n
+    capped by the vocabulary."""
+    dist = reported_logprobs(logits, sampling)  # (rows, V)
+    values = [dist[scored_at, drafts]] if drafts.size else []
+    values.append(dist[next_row, next_token].reshape(1))
+    n = min(top_n, dist.shape[-1])
+    ids = mx.zeros((0,), dtype=mx.int32)
+    if n:
+        ids = mx.argpartition(-dist, n - 1, axis=-1)[:, :n]
+        top = mx.take_along_axis(dist, ids, axis=-1)
+        order = mx.argsort(-top, axis=-1)
+        ids = mx.take_along_axis(ids, order, axis=-1).flatten().astype(mx.int32)
+        values.append(mx.take_along_axis(top, order, axis=-1).flatten())
+    return ids, mx.concatenate(values), n
 
 
 def cache_offset(cache: list) -> int | None:
@@ -108,7 +122,7 @@ class MLXTarget:
         self.prefill_step_size = prefill_step_size
         # Recurrent layers roll back by restoring the state from before the last pass with drafts
         # and running its kept tokens again (the attention layers' caches are cut back first).
-        self._recurrent = [c for c in self.cache if is_recurrent(c)]
+        self._recurrent = recurrent_layers(self.cache)
         self._mixers = state_mixers(model) if self._recurrent else []
         # Where the recurrence runs position by position anyway, Gated DeltaNet layers keep every
         # position's state during the pass and a rollback selects (mlxspec.state_tape).
@@ -164,9 +178,11 @@ class MLXTarget:
             return mx.zeros((0, 0))
         return mx.concatenate(features, axis=0)
 
-    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig) -> Pass:
-        """Build one pass over [pending, drafts] with its acceptance and queue it on the device
-        (mx.async_eval); nothing is read back until `Pass.verdict()`."""
+    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig,
+               logprobs: int | None = None) -> Pass:
+        """Build one pass over [pending, drafts] with its acceptance (and with `logprobs` n, the
+        scores of engine.Target.launch) and queue it on the device (mx.async_eval); nothing is
+        read back until `Pass.verdict()`."""
         if isinstance(draft.tokens, list):
             drafts = mx.array(draft.tokens, dtype=mx.int32)
         else:
@@ -177,8 +193,8 @@ class MLXTarget:
             head = mx.array([pending], dtype=mx.int32)
         inputs = mx.concatenate([head, drafts]) if drafts.size else head
         if draft.parents is not None:
-            return self._launch_tree(inputs, drafts, draft, sampling)
-        return self._launch_chain(inputs, drafts, draft, sampling)
+            return self._launch_tree(inputs, drafts, draft, sampling, logprobs)
+        return self._launch_chain(inputs, drafts, draft, sampling, logprobs)
 
     def follow_pass(self, tokens: list[int], parents: tuple[int, ...] | None) -> None:
         """A follower rank's share of a pass rank 0 launched over `tokens` ([pending, drafts]):
@@ -195,14 +211,15 @@ class MLXTarget:
         """Logits (K+1, V) and features of a chain pass, kept undoable where a rejection must
         restore a recurrent state and re-run its kept positions."""
         undoable = bool(num_drafts and self._recurrent)
-        states = [list(c.cache) for c in self._recurrent] if undoable else None
+        states = snapshot(self._recurrent) if undoable else None
         with (record_inputs(self._mixers if undoable else []) as calls,
               state_tape(self._taped if undoable else []) as tape):
             logits, features = self._forward(inputs, early_exit=early_exit)
         self._last_pass = (states, inputs, self._replays(calls), tape) if undoable else None
         return logits, features
 
-    def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
+    def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
+                      logprobs: int | None = None) -> Pass:
         logits, features = self._chain_forward(inputs, drafts.size, draft.early_exit)
         if drafts.size == 0:
             accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
@@ -210,9 +227,12 @@ class MLXTarget:
             accepted, next_token = accept_greedy(logits, drafts)
         else:
             accepted, next_token = accept_sampled(logits, drafts, draft.probs, sampling)
-        return self._queue(drafts, None, accepted, next_token, features)
+        scores = None if logprobs is None else committed_scores(
+            logits, drafts, mx.arange(drafts.size), accepted, next_token, sampling, logprobs)
+        return self._queue(drafts, None, accepted, next_token, features, scores)
 
-    def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
+    def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
+                     logprobs: int | None = None) -> Pass:
         """One pass over a tree of drafts: every node sees its ancestors only (tree_pass)."""
         shape = TreeShape(draft.parents)
         with self._tree_cache(shape) as cache:
@@ -222,7 +242,10 @@ class MLXTarget:
         else:
             accepted, next_token, path = accept_tree_sampled(logits, drafts, shape, draft.probs,
                                                              sampling)
-        return self._queue(drafts, path, accepted, next_token, features)
+        scores = None if logprobs is None else committed_scores(
+            logits, drafts, mx.array(shape.parents, dtype=mx.int32), path[-1], next_token,
+            sampling, logprobs)  # the branch's last node scores the next token
+        return self._queue(drafts, path, accepted, next_token, features, scores)
 
     def _tree_cache(self, shape: TreeShape):
         if self._attentions is None:
@@ -230,13 +253,18 @@ class MLXTarget:
         return tree_pass(self._attentions, self.cache, shape)
 
     @staticmethod
-    def _queue(drafts, path, accepted, next_token, features) -> Pass:
+    def _queue(drafts, path, accepted, next_token, features, scores=None) -> Pass:
+        """The pass's packed array, as Pass.verdict() reads it: drafts, path, the top ids of
+        `scores` (ids, values, n) if any, accepted count, next token."""
         next_token = next_token.astype(mx.int32)
         parts = [drafts] + ([path.astype(mx.int32)] if path is not None else [])
+        top_ids, values, top_n = scores if scores is not None else (None, None, 0)
+        parts += [top_ids] if scores is not None else []
         packed = mx.concatenate(parts + [accepted.astype(mx.int32)[None], next_token[None]])
-        mx.async_eval(packed, *([features] if features is not None else []))
+        mx.async_eval(packed, *[a for a in (features, values) if a is not None])
         return Pass(num_draft=drafts.size, packed=packed, next_token=next_token,
-                    features=features, path_slots=None if path is None else path.size)
+                    features=features, path_slots=None if path is None else path.size,
+                    scores=values, top_n=top_n)
 
     def settle(self, verdict: Verdict) -> None:
         if verdict.branch is None:
@@ -267,17 +295,14 @@ class MLXTarget:
                 c.trim(n)
             return
         states, inputs, replays, tape = self._last_pass
-        for c, state in zip(self._recurrent, states):
-            c.cache = list(state)
+        restore(self._recurrent, states)
         keep = inputs.size - n
         if replays is not None:
             # Causal layers: the kept positions' inputs to each recurrent layer are the ones the
             # pass recorded, so only those layers' state updates run again (lazily: their outputs,
             # the other layers and the head are never computed), or a layer the tape followed
             # takes the state it recorded at the last kept position; attention caches drop n.
-            for c in self.cache:
-                if not is_recurrent(c):
-                    c.trim(n)
+            trim_attention(self.cache, n)
             for module, x, c in replays:
                 if id(module) in tape:
                     select(c, *tape[id(module)], keep)
@@ -287,9 +312,7 @@ class MLXTarget:
         if self.stage is not None:  # the whole model is not this process's to run again
             raise RuntimeError("a split target cannot re-run its kept tokens: a recurrent layer "
                                "of a kind mlxspec does not know was not recorded")
-        for c in self.cache:
-            if not is_recurrent(c):
-                c.trim(inputs.size)
+        trim_attention(self.cache, inputs.size)
         self.model(inputs[None, :keep], cache=self.cache)  # lazy: runs with the next pass
 
     def rollback_room(self) -> int | None:

@@ -2,6 +2,7 @@
 of a new prompt it can keep is host bookkeeping; only making, measuring and cutting the cache are
 the backend's."""
 
+import weakref
 from typing import Sequence
 
 from .engine import common_prefix_length
@@ -16,6 +17,17 @@ class KeptCache:
     def __init__(self):
         self.cache = None
         self.tokens: list[int] = []  # the tokens whose keys and values (or states) it holds
+        self._model = None  # a weak reference to the model whose cache it holds
+
+    def check_model(self, model) -> None:
+        """Refuse another model's cache before touching it (its layers would not fit, or worse,
+        fit and be wrong); the cache stays as it was. A model gone (collected) frees it."""
+        held = self._model() if self._model is not None else None
+        if held is not None and held is not model:
+            raise ValueError("this prompt cache holds another model's cache: use one prompt cache "
+                             "per model")
+        if held is None:
+            self._model, self.cache, self.tokens = weakref.ref(model), None, []
 
     def _new(self, model): ...
 
@@ -30,6 +42,7 @@ class KeptCache:
     def take(self, model, prompt: Sequence[int]):
         """The cache cut back to the longest prefix it shares with `prompt` (never all of it: the
         last prompt token is the loop's pending token)."""
+        self.check_model(model)
         keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
         if self.cache is None or (keep < len(self.tokens) and not self._can_cut()):
             self.cache, self.tokens, keep = self._new(model), [], 0

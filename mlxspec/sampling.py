@@ -40,6 +40,8 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +51,15 @@ class SamplingConfig:
 def is_integer(value) -> bool:
     """An int or numpy integer, not a bool or a float that happens to be whole."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer; torch.manual_seed too
+
+
+def check_seed(seed: int) -> None:
+    """A seed both backends take: -1 or 2**64 would fail inside them, once the work began."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be between 0 and 2**64 - 1 ({MAX_SEED}), got {seed}")
 
 
 def processed_logprobs(logits: mx.array, sampling: SamplingConfig) -> mx.array:
@@ -63,6 +74,15 @@ def processed_logprobs(logits: mx.array, sampling: SamplingConfig) -> mx.array:
         logprobs = apply_top_k(logprobs, sampling.top_k)
     scaled = logprobs * (1.0 / sampling.temp)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def reported_logprobs(logits: mx.array, sampling: SamplingConfig) -> mx.array:
+    """The distribution a request's logprobs describe: q when sampling; when greedy (q one-hot)
+    the raw log-softmax, temperature 1 and no truncation, as OpenAI reports greedy requests."""
+    if not sampling.greedy:
+        return processed_logprobs(logits, sampling)
+    logprobs = logits.astype(mx.float32)
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
 
 
 def sample_token(logits: mx.array, sampling: SamplingConfig) -> mx.array:

@@ -58,7 +58,8 @@ def cases(model, tokenizer, leads: bool):
 def tiny_cases():
     return [("none", dict(drafter="none")), ("lookup", dict(drafter="lookup")),
             ("wrong", dict(drafter=WrongDrafts(), adaptive=False)),
-            ("lookup-sampled", dict(drafter="lookup", temp=1.0, seed=3, adaptive=False))]
+            ("lookup-sampled", dict(drafter="lookup", temp=1.0, seed=3, adaptive=False)),
+            ("lookup-logprobs", dict(drafter="lookup", logprobs=2, adaptive=False))]
 
 
 def tiny_target(mode: str):
@@ -92,9 +93,11 @@ def run(mode: str, group=None) -> dict:
     todo = todo or cases(model, tokenizer, leads)
     results = {}
     for name, options in todo:
-        tokens = [r.token for r in mlxspec.stream_generate(model, tokenizer, PROMPT, MAX_TOKENS,
-                                                           **options)]
-        results[name] = tokens
+        responses = list(mlxspec.stream_generate(model, tokenizer, PROMPT, MAX_TOKENS, **options))
+        results[name] = [r.token for r in responses]
+        if options.get("logprobs"):  # rank 0 scored each token, as one process does
+            results[name + "-scored"] = [r.logprob is not None and len(r.top_logprobs) == 2
+                                         for r in responses]
     # A kept cache across two calls (chat's turns): the second prefills only its new tokens.
     # Token ids, so the second prompt extends all the cache holds (a recurrent one too).
     cache = mlxspec.PromptCache()

@@ -183,6 +183,6 @@ def test_cli_generate_chat_and_bench(smollm_dir, tmp_path):
 
     result = runner.invoke(main, ["generate", "--drafter", "layerskip", "--exit-layer", "30",
                                   "-p", "x"])
-    assert result.exit_code != 0
+    assert result.exit_code == 2  # refused before the model loads, from its config.json
     assert result.output.strip().splitlines()[-1] == (
-        "Error: --exit-layer must be in 1..29 for this 30-layer target, got 30")
+        "Error: Invalid value for --exit-layer: must be in 1..29 for this 30-layer target, got 30")

@@ -44,10 +44,11 @@ class LeaderTarget:
         settled, self._settled = self._settled, None
         return settled
 
-    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig) -> Pass:
+    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig,
+               logprobs: int | None = None) -> Pass:
         head = pending.next_token if isinstance(pending, Pass) else pending
         self.link.post_pass(self._take_settled(), head, draft.tokens, draft.parents)
-        return self.inner.launch(pending, draft, sampling)
+        return self.inner.launch(pending, draft, sampling, logprobs)  # rank 0 holds the logits
 
     def settle(self, verdict: Verdict) -> None:
         if verdict.draft_tokens:  # a plain pass's outcome cuts nothing

@@ -158,10 +158,15 @@ def best_first_draft(logprobs: mx.array, width: int, budget: int, ids=None) -> D
     return Draft(tokens=drafts, parents=shape.parents)
 
 
+MAX_TREE_BUDGET = 256  # nodes verified in one pass; measured budgets that pay are 4 to 64
+
+
 def check_tree(budget: int | None, width: int) -> tuple[int | None, int]:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                or budget < 1):
         raise ValueError(f"tree budget must be a positive integer (draft nodes), got {budget!r}")
+    if budget is not None and budget > MAX_TREE_BUDGET:
+        raise ValueError(f"tree budget must be at most {MAX_TREE_BUDGET} nodes, got {budget}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"tree width must be a positive integer, got {width!r}")
     return budget, width
@@ -283,16 +288,21 @@ def find_shipped_drafter(sizes: tuple[int, int, int], checksum, kind: str = "dfl
     holds the target's (hidden, vocab, layers) and the sum of its first 8 embedding rows
     (`checksum()`, called only when the sizes match)."""
     value = None
-    for target_file in sorted(TRAINED_DIR.glob("*/target.json")):
-        want = json.loads(target_file.read_text())
-        if want.get("drafter", "dflash") != kind:
-            continue
-        if (want["hidden_size"], want["vocab_size"], want["num_layers"]) != tuple(sizes):
-            continue
+    for folder, want in shipped_candidates(sizes, kind):
         value = checksum() if value is None else value
         if abs(value - want["embedding_checksum"]) <= 1e-3 * max(1.0, abs(value)):
-            return target_file.parent
+            return folder
     return None
+
+
+def shipped_candidates(sizes: tuple, kind: str = "dflash"):
+    """(directory, its target.json) of each `kind` drafter shipped for a target of these
+    (hidden, vocab, layers) sizes: read before the target loads (its weights tell which)."""
+    for target_file in sorted(TRAINED_DIR.glob("*/target.json")):
+        want = json.loads(target_file.read_text())
+        if want.get("drafter", "dflash") == kind and \
+                (want["hidden_size"], want["vocab_size"], want["num_layers"]) == tuple(sizes):
+            yield target_file.parent, want
 
 
 def shipped_drafter_for(model, kind: str = "dflash") -> Path | None:

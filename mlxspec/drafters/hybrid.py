@@ -24,8 +24,7 @@ class LookupFirstDrafter(Drafter):
         self.name = f"{model_drafter.name}+lookup"
         self.capture_layers = model_drafter.capture_layers
         self.default_num_draft = max(model_drafter.default_num_draft, self.lookup.default_num_draft)
-        caps = (model_drafter.max_draft, self.lookup.max_draft)
-        self.max_draft = None if None in caps else max(caps)
+        self.max_draft = max(model_drafter.max_draft, self.lookup.max_draft)
         self.drafts_trees = model_drafter.drafts_trees or self.lookup.drafts_trees
         if hasattr(model_drafter, "backend"):  # the torch drafters say which backend they need
             self.backend = model_drafter.backend

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from ..engine import Drafter, PlainDecoding
 from ..loading import BACKENDS, backend_of
+from .dflash import MAX_TREE_BUDGET
 from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
 
@@ -31,6 +32,7 @@ class DrafterOption:
     type: Any = None  # click infers it from `default` when None
     default: Any = None  # what the factory assumes when the keyword is left out
     minimum: int | None = None  # the least value a number may take, checked before loading
+    maximum: int | None = None  # the most, likewise (a bound on the work of a step)
 
     def flag_for(self, value) -> str:
         """The flag a user writes to set `value` (a switch's second flag sets False)."""
@@ -42,6 +44,8 @@ class DrafterOption:
         nothing. Callers name the flag their own way (click's param hint, a bench label)."""
         if self.minimum is not None and value is not None and value < self.minimum:
             return f"must be >= {self.minimum}, got {value}"
+        if self.maximum is not None and value is not None and value > self.maximum:
+            return f"must be <= {self.maximum}, got {value}"
         return None
 
 
@@ -247,7 +251,7 @@ def shipped(kind: str) -> Callable[[Any], Any]:
 # ---- The drafters -------------------------------------------------------------------------------
 
 TREE_BUDGET = DrafterOption(
-    "tree_budget", "--tree-budget", type=int, minimum=1,
+    "tree_budget", "--tree-budget", type=int, minimum=1, maximum=MAX_TREE_BUDGET,
     help="Draft a tree of up to N nodes each step, verified in one pass, instead of a chain "
          "(DFlash and Medusa: DDTree, grown best-first from each block slot's or head's best "
          "tokens; EAGLE-3 and MTP: EAGLE-2's dynamic tree); the budget used is chosen by "

@@ -52,6 +52,13 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.
     return scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
 
 
+def reported_logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """mlxspec.sampling.reported_logprobs: q when sampling, the raw log-softmax when greedy."""
+    if not sampling.greedy:
+        return processed_logprobs(logits, sampling)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def categorical(probs: torch.Tensor) -> torch.Tensor:
     """One draw per row of (unnormalised, non-negative) probs: argmax of p / E, E ~ Exp(1)."""
     uniform = torch.rand(probs.shape, device=probs.device, dtype=torch.float32)

@@ -24,7 +24,7 @@ from ..prompt_cache import KeptCache
 from ..sampling import SamplingConfig
 from ..tree import TreeShape
 from .acceptance import accept_greedy, accept_sampled
-from .sampling import sample_token
+from .sampling import reported_logprobs, sample_token
 from .tree_acceptance import DeviceTree, accept_tree_greedy, accept_tree_sampled
 
 
@@ -165,6 +165,17 @@ def keep_branch(cache, pending_at: int, branch: list[int], device: torch.device)
     crop(cache, cache_length(cache) - end)
 
 
+def committed_scores(logits, drafts, scored_at, next_row, next_token, sampling: SamplingConfig,
+                     top_n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """mlxspec.mlx_backend.committed_scores in torch, with no host sync: (top ids, values, n).
+    `next_row` and `next_token` are 1-element tensors (a 0-d index would be read to the host)."""
+    dist = reported_logprobs(logits, sampling)  # (rows, V)
+    values = [dist[scored_at, drafts], dist[next_row, next_token]]
+    n = min(top_n, dist.shape[-1])
+    top = torch.topk(dist, n, dim=-1)  # sorted, best first
+    return top.indices.flatten(), torch.cat(values + [top.values.flatten()]), n
+
+
 def snapshot(layers: list) -> list:
     """Copies of the recurrent layers' states (they are updated in place, so a reference would
     not do), with whether each had seen any token yet."""
@@ -289,9 +300,11 @@ class TorchTarget:
         return torch.cat(features, dim=0)
 
     @torch.inference_mode()
-    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig) -> Pass:
-        """One forward pass over [pending, drafts] and its acceptance, queued on the device
-        (CUDA runs it asynchronously); nothing is read back until `Pass.verdict()`."""
+    def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig,
+               logprobs: int | None = None) -> Pass:
+        """One forward pass over [pending, drafts] and its acceptance (and with `logprobs` n, the
+        scores of engine.Target.launch), queued on the device (CUDA runs it asynchronously);
+        nothing is read back until `Pass.verdict()`."""
         if isinstance(draft.tokens, list):
             drafts = host_tokens(draft.tokens, self.device)
         elif isinstance(draft.tokens, torch.Tensor):
@@ -308,7 +321,7 @@ class TorchTarget:
             head = host_tokens([pending], self.device)
         inputs = torch.cat([head, drafts])
         if draft.parents is not None:
-            return self._launch_tree(inputs, drafts, draft, sampling)
+            return self._launch_tree(inputs, drafts, draft, sampling, logprobs)
         undoable = bool(drafts.shape[0] and self._recurrent)  # plain passes copy nothing
         self._last_pass = (snapshot(self._recurrent), inputs) if undoable else None
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
@@ -319,9 +332,13 @@ class TorchTarget:
             accepted, next_token = accept_greedy(logits, drafts)
         else:
             accepted, next_token = accept_sampled(logits, drafts, self._probs(draft), sampling)
-        return self._queue(drafts, None, accepted, next_token, features)
+        scores = None if logprobs is None else committed_scores(
+            logits, drafts, torch.arange(drafts.shape[0], device=self.device),
+            accepted.reshape(1), next_token.reshape(1), sampling, logprobs)
+        return self._queue(drafts, None, accepted, next_token, features, scores)
 
-    def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig) -> Pass:
+    def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
+                     logprobs: int | None = None) -> Pass:
         """One pass over a tree of drafts: every node sees its ancestors only (tree_attention)."""
         tree = DeviceTree.of(TreeShape(draft.parents), self.device)
         mask, positions = tree_attention(tree, self.offset, self.model.dtype)
@@ -331,19 +348,26 @@ class TorchTarget:
         else:
             accepted, next_token, path = accept_tree_sampled(logits, drafts, tree,
                                                              self._probs(draft), sampling)
-        return self._queue(drafts, path, accepted, next_token, features)
+        scores = None if logprobs is None else committed_scores(
+            logits, drafts, tree.parents[1:], path[-1:], next_token.reshape(1), sampling,
+            logprobs)  # the branch's last node scores the next token
+        return self._queue(drafts, path, accepted, next_token, features, scores)
 
     def _probs(self, draft: Draft):
         return draft.probs.to(self.device) if draft.probs is not None else None
 
     @staticmethod
-    def _queue(drafts, path, accepted, next_token, features) -> Pass:
-        """The pass's one packed tensor, laid out as Pass.verdict() reads it."""
+    def _queue(drafts, path, accepted, next_token, features, scores=None) -> Pass:
+        """The pass's one packed tensor, laid out as Pass.verdict() reads it (the top ids of
+        `scores` (ids, values, n) after the path); their values travel beside it."""
         next_token = next_token.reshape(()).to(torch.long)
         parts = [drafts] + ([path] if path is not None else [])
+        top_ids, values, top_n = scores if scores is not None else (None, None, 0)
+        parts += [top_ids] if scores is not None else []
         packed = torch.cat(parts + [accepted.reshape(1), next_token.reshape(1)])
         return Pass(num_draft=int(drafts.shape[0]), packed=packed, next_token=next_token,
-                    features=features, path_slots=None if path is None else int(path.shape[0]))
+                    features=features, path_slots=None if path is None else int(path.shape[0]),
+                    scores=values, top_n=top_n)
 
     @torch.inference_mode()
     def trim(self, n: int) -> None:
