@@ -20,6 +20,7 @@ from mlxspec.cli.main import (
     split_target,
 )
 from mlxspec.cli.train import shared
+from mlxspec.server.requests import DEFAULT_MAX_NUM_DRAFT
 
 
 def _model_id(model: str | None) -> str:
@@ -45,24 +46,42 @@ def _model_id(model: str | None) -> str:
     *_drafter_option_flags(),
     click.option("--host", default="127.0.0.1", show_default=True,
                  help="Address to listen on: loopback only by default; 0.0.0.0 exposes the "
-                      "server to the network (set --api-key then)."),
+                      "server to the network, which needs --api-key (or "
+                      "--insecure-no-api-key)."),
     click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True),
     click.option("--api-key", default=None, envvar="MLXSPEC_API_KEY",
                  help="Require 'Authorization: Bearer KEY' on every /v1 request "
                       "(or set MLXSPEC_API_KEY)."),
+    click.option("--insecure-no-api-key", is_flag=True,
+                 help="Serve a --host beyond loopback without --api-key: anyone who can reach "
+                      "it may use the model (a warning is printed)."),
+    click.option("--render-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+                 show_default=True,
+                 help="Seconds a request's chat template and tokenisation may take; longer "
+                      "ones are answered 400."),
     click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
                  help="Requests that may wait for the model; more are answered 429."),
+    click.option("--max-num-draft", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_DRAFT,
+                 show_default=True,
+                 help="The most drafts per step a request may ask for (its \"num_draft\"); "
+                      "more are answered 400. Each step verifies up to this many + 1 tokens."),
 ])
 def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port, api_key,
-          max_queue, **drafter_options):
+          insecure_no_api_key, render_timeout, max_queue, max_num_draft, **drafter_options):
     """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'mlxspec[server]').
 
     \b
     curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}'
     """
-    from mlxspec.server import _require_server_extra, make_server
+    from mlxspec.server import _require_server_extra, check_exposure, make_server
 
+    try:
+        warning = check_exposure(host, api_key, insecure=insecure_no_api_key)
+    except ValueError as err:
+        _fail(err)
+    if warning:
+        click.echo(warning, err=True)
     _check_decoding(None, 1, drafter, draft_model, drafter_options)
     _check_backend(backend, device)
     try:
@@ -74,6 +93,8 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
     try:
         server = make_server(target, tokenizer, drafter=drafter, draft_model=draft_model,
                              model_id=_model_id(model), api_key=api_key, max_queue=max_queue,
+                             render_timeout=render_timeout,
+                             max_num_draft=max_num_draft,
                              **_options_for(drafter, drafter_options))
     except _user_errors() as err:
         _fail(err)

@@ -5,9 +5,14 @@
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics. Needs the `server` extra (starlette, uvicorn): pip install 'mlxspec[server]'.
+
+make_server does not bind an address: whoever runs its app beyond loopback calls
+check_exposure(host, api_key) first, as `mlxspec serve` does (no key there is refused).
 """
 
 from ..loading import MissingExtraError
+from .guards import check_exposure
+from .requests import DEFAULT_MAX_NUM_DRAFT
 
 
 def _require_server_extra() -> None:
@@ -20,10 +25,16 @@ def _require_server_extra() -> None:
 
 
 def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, model_id="model",
-                api_key: str | None = None, max_queue: int = 64, **drafter_options):
+                api_key: str | None = None, max_queue: int = 64, render_timeout: float = 10.0,
+                max_num_draft: int = DEFAULT_MAX_NUM_DRAFT, **drafter_options):
     """A Server for `model`: requests may choose "none", "lookup", or the server's `drafter`
-    (and its "+lookup" form), loaded once here; unknown options fail before it starts."""
+    (and its "+lookup" form), loaded once here; unknown options fail before it starts.
+    A request's num_draft may be at most `max_num_draft` (and the drafter's own maximum caps
+    what a step verifies)."""
     _require_server_extra()
+    from ..generate import check_count
+
+    check_count("max_num_draft", max_num_draft)
     from ..drafters import LookupFirstDrafter, PromptLookupDrafter, load_drafter
     from ..engine import PlainDecoding
     from ..generate import BACKEND_PARTS, resolve_backend
@@ -44,7 +55,8 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     parts = BACKEND_PARTS[resolve_backend(model, None)]()
     return Server(model, tokenizer, model_id=model_id, build_drafters=build_drafters,
                   default_drafter=drafter, api_key=api_key, max_queue=max_queue,
-                  context_length=parts.context_length(model))
+                  context_length=parts.context_length(model), render_timeout=render_timeout,
+                  max_num_draft=max_num_draft)
 
 
-__all__ = ["make_server"]
+__all__ = ["check_exposure", "make_server"]

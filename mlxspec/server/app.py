@@ -16,11 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .guards import MAX_JSON_DEPTH, RenderSlots, json_too_deep
+from .logprobs import TokenNames, chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .requests import APIError, GenerationRequest, parse_request
-from .worker import Job, Outcome, QueueFull, Worker
+from .worker import Delta, Job, Outcome, QueueFull, Worker
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+BIG_BODY_BYTES = 256 * 1024  # far over a normal request; tokenising 4 MB takes seconds
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -48,8 +51,14 @@ class Server:
     """The app's state: the served model, its worker, the metrics and the API key."""
 
     def __init__(self, model, tokenizer, *, model_id: str, build_drafters, default_drafter: str,
-                 api_key: str | None = None, max_queue: int = 64, context_length=None):
+                 api_key: str | None = None, max_queue: int = 64, context_length=None,
+                 render_timeout: float = 10.0, render_slots: int = 2,
+                 max_num_draft: int | None = None):
         self.model_id, self.api_key = model_id, api_key
+        self.max_num_draft = max_num_draft
+        self.token_names = TokenNames(tokenizer)
+        self.render_slots = RenderSlots(render_slots, render_timeout)
+        self.big_render_slots = RenderSlots(1, render_timeout, background=True)
         self.tokenizer, self.context_length = tokenizer, context_length
         self.metrics = Metrics()
         self.worker = Worker(model, tokenizer, build_drafters, default_drafter,
@@ -67,7 +76,8 @@ class Server:
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         return Starlette(routes=routes, lifespan=self.lifespan,
-                         exception_handlers={404: self.not_found, 405: self.not_allowed})
+                         exception_handlers={404: self.not_found, 405: self.not_allowed,
+                                             Exception: self.server_error})
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -88,6 +98,8 @@ class Server:
                              "busy": self.worker.busy})
 
     async def prometheus(self, request: Request) -> Response:
+        if (denied := self.check_key(request)) is not None:  # /health stays open for probes
+            return denied
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def not_found(self, request: Request, exc) -> Response:
@@ -97,6 +109,12 @@ class Server:
     async def not_allowed(self, request: Request, exc) -> Response:
         return error_response(APIError(405, f"{request.method} is not allowed on "
                                             f"{request.url.path}", code="method_not_allowed"))
+
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        """A failure no handler expected: still OpenAI's error shape, never a plain-text 500
+        (Starlette logs the traceback for the operator)."""
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}",
+                                       kind="server_error", code="internal_error"))
 
     def check_key(self, request: Request) -> Response | None:
         if self.api_key is None:
@@ -139,88 +157,126 @@ class Server:
         return await self.whole(job, chat)
 
     async def read(self, request: Request, chat: bool) -> GenerationRequest:
+        """The body, read here; parsed, rendered and tokenised in a render slot (a thread).
+        Bodies over BIG_BODY_BYTES take turns in a slot of their own: a client sending 4 MB
+        bodies keeps one thread busy, never the slots of normal requests."""
         too_large = APIError(413, f"the body is over {MAX_BODY_BYTES} bytes",
                              code="body_too_large")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise too_large
-        raw = b""
+        raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
                 raise too_large
+        slots = self.big_render_slots if len(raw) > BIG_BODY_BYTES else self.render_slots
+        return await slots.run(lambda: self.parse(bytes(raw), chat),
+                               param="messages" if chat else "prompt")
+
+    def parse(self, raw: bytes, chat: bool) -> GenerationRequest:
+        """JSON, chat template and tokenisation: seconds for a big body, so off the event loop."""
+        if json_too_deep(raw):
+            raise APIError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels",
+                           code="json_too_deep")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except ValueError as err:  # bad JSON or UTF-8, an integer of over 4300 digits
             raise APIError(400, f"the body is not valid JSON: {err}") from None
         if isinstance(body, dict) and body.get("model") not in (None, self.model_id):
             raise APIError(404, f"the model {body.get('model')!r} does not exist; this server "
                                 f"serves {self.model_id!r}", param="model",
                            code="model_not_found")
         try:
-            return parse_request(body, chat=chat, tokenizer=self.tokenizer,
-                                 context_length=self.context_length, drafters=self.drafter_names)
+            parsed = parse_request(body, chat=chat, tokenizer=self.tokenizer,
+                                   max_num_draft=self.max_num_draft,
+                                   context_length=self.context_length,
+                                   drafters=self.drafter_names)
         except APIError:
             raise
         except Exception as err:  # noqa: BLE001  (a chat template that refuses the messages)
             raise APIError(400, f"the request cannot be rendered for this model: "
                                 f"{type(err).__name__}: {err}",
                            param="messages" if chat else "prompt") from None
+        if not parsed.prompt:  # "" tokenises to nothing; the worker refused it with a 500
+            raise APIError(400, "the prompt is empty: send at least one character",
+                           param="messages" if chat else "prompt")
+        return parsed
 
     def envelope(self, job: Job, chat: bool) -> dict:
         return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": job.created, "model": self.model_id}
 
+    def logprobs(self, job: Job, chat: bool, delta: Delta):
+        """A choice's logprobs: None unless the request asked for them."""
+        if job.request.logprobs is None:
+            return None
+        return (chat_logprobs if chat else completion_logprobs)(delta.logprobs, self.token_names)
+
     async def whole(self, job: Job, chat: bool) -> Response:
-        text = []
+        answer = Delta()
         while True:
             kind, value = await job.events.get()
-            if kind == "text":
-                text.append(value)
+            if kind == "delta":
+                answer.text += value.text
+                answer.tool_calls += value.tool_calls
+                answer.logprobs += value.logprobs
             elif kind == "error":
                 return error_response(APIError(500, value, kind="server_error"))
             else:
                 break
-        outcome, content = value, "".join(text)
-        choice = {"index": 0, "finish_reason": finish(outcome)}
+        outcome = value
+        choice = {"index": 0, "finish_reason": finish(outcome),
+                  "logprobs": self.logprobs(job, chat, answer)}
         if chat:
-            choice["message"] = {"role": "assistant", "content": content}
+            choice["message"] = {"role": "assistant", "content": answer.text}
+            if answer.tool_calls:
+                choice["message"].update(content=answer.text or None,
+                                         tool_calls=answer.tool_calls)
         else:
-            choice.update(text=content, logprobs=None)
+            choice["text"] = answer.text
         body = {**self.envelope(job, chat), "choices": [choice], "usage": usage(outcome)}
         body["object"] = "chat.completion" if chat else "text_completion"
         return JSONResponse(body)
 
     async def stream(self, job: Job, chat: bool):
-        """Server-sent events in OpenAI's chunk format; a disconnect cancels the job."""
+        """Server-sent events in OpenAI's chunk format; a disconnect cancels the job. A chunk
+        carries the logprobs of the tokens whose text it completes, and each tool call whole."""
         head = self.envelope(job, chat)
+        calls_sent = 0
 
-        def chunk(piece: str | None, reason: str | None = None) -> str:
+        def chunk(delta: Delta, reason: str | None = None) -> str:
+            nonlocal calls_sent
+            choice = {"index": 0, "finish_reason": reason,
+                      "logprobs": self.logprobs(job, chat, delta)}
             if chat:
-                delta = {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                choice["delta"] = {"content": delta.text} if delta.text else {}
+                if delta.tool_calls:
+                    choice["delta"]["tool_calls"] = [
+                        {"index": calls_sent + i, **call}
+                        for i, call in enumerate(delta.tool_calls)]
+                    calls_sent += len(delta.tool_calls)
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None,
-                          "finish_reason": reason}
+                choice["text"] = delta.text
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
         try:
             if chat:
                 role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                    "content": ""},
-                                             "finish_reason": None}]}
+                                             "logprobs": None, "finish_reason": None}]}
                 yield f"data: {json.dumps(role)}\n\n"
             while True:
                 kind, value = await job.events.get()
-                if kind == "text":
+                if kind == "delta":
                     yield chunk(value)
                 elif kind == "error":
                     error = APIError(500, value, kind="server_error").body()
                     yield f"data: {json.dumps(error)}\n\n"
                     break
                 else:
-                    yield chunk(None, finish(value))
+                    yield chunk(Delta(), finish(value))
                     if job.request.include_usage:
                         last = {**head, "choices": [], "usage": usage(value)}
                         yield f"data: {json.dumps(last)}\n\n"
@@ -231,8 +287,9 @@ class Server:
 
 
 def finish(outcome: Outcome) -> str:
-    """OpenAI's finish_reason: "stop" (a stop string or the end-of-sequence token) or "length"."""
-    return "length" if outcome.finish_reason == "length" else "stop"
+    """OpenAI's finish_reason: "length", "tool_calls" (the answer called a tool), or "stop" (a
+    stop string, the end-of-sequence token)."""
+    return outcome.finish_reason if outcome.finish_reason in ("length", "tool_calls") else "stop"
 
 
 __all__ = ["Server"]

@@ -18,8 +18,10 @@ from typing import Callable
 
 from ..drafters import LookupFirstDrafter, PromptLookupDrafter
 from ..engine import Drafter, PlainDecoding
+from .logprobs import TokenLogprob, TokenTrail
 from .requests import GenerationRequest
 from .stops import StopText
+from .tools import ToolCallText
 
 
 @dataclass
@@ -51,6 +53,64 @@ class Outcome:
     tau: float
     seconds_to_first_token: float
     tokens_per_second: float
+
+
+@dataclass
+class Delta:
+    """A piece of the answer: content text, the tool calls it completed, and the logprobs of the
+    tokens whose text it completed (when the request asked for them)."""
+
+    text: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.tool_calls or self.logprobs)
+
+
+class Answer:
+    """Turns a generation's responses into Deltas: stop strings cut the text (StopText), the
+    tokens' logprobs follow the text returned (TokenTrail) and tool calls are parsed out of it
+    (ToolCallText), each only when the request asks for it."""
+
+    def __init__(self, request: GenerationRequest, tokenizer):
+        self.stops = StopText(request.stop)
+        self.tokens = TokenTrail() if request.logprobs is not None else None
+        self.calls = ToolCallText(tokenizer, request.tools) if request.tools else None
+        self.returned = 0  # characters of output text returned so far
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    @property
+    def made_call(self) -> bool:
+        return self.calls is not None and self.calls.made_call
+
+    def feed(self, response) -> Delta:
+        if self.tokens is not None:
+            self.tokens.add(response)
+        text = self.stops.feed(response.text)
+        self.returned += len(text)
+        logprobs = self.tokens.release(self.returned) if self.tokens is not None else []
+        return self._delta(text, logprobs)
+
+    def finish(self) -> Delta:
+        text = self.stops.flush()
+        self.returned += len(text)
+        logprobs = self.tokens.finish(self.returned) if self.tokens is not None else []
+        delta = self._delta(text, logprobs)
+        if self.calls is not None:
+            rest, calls = self.calls.finish()
+            delta.text += rest
+            delta.tool_calls += calls
+        return delta
+
+    def _delta(self, text: str, logprobs: list[TokenLogprob]) -> Delta:
+        if self.calls is None:
+            return Delta(text, [], logprobs)
+        content, calls = self.calls.feed(text)
+        return Delta(content, calls, logprobs)
 
 
 class QueueFull(Exception):
@@ -151,7 +211,7 @@ class Worker:
         from ..generate import stream_generate
 
         request = job.request
-        stops = StopText(request.stop)
+        answer = Answer(request, self.tokenizer)
         start = time.perf_counter()
         first, last, produced, finish = None, None, 0, "length"
         drafter = self.drafter_for(request)
@@ -164,7 +224,7 @@ class Worker:
             self.model, self.tokenizer, request.prompt, request.max_tokens,
             drafter=drafter, num_draft=request.num_draft, temp=request.temp,
             top_p=request.top_p, top_k=request.top_k, min_p=request.min_p, seed=request.seed,
-            prompt_cache=cache)
+            prompt_cache=cache, logprobs=request.logprobs)
         try:
             for last in responses:
                 if job.cancelled.is_set():
@@ -172,21 +232,20 @@ class Worker:
                     break
                 if first is None:
                     first = time.perf_counter() - start
-                text = stops.feed(last.text)
-                if text:
-                    job.emit("text", text)
-                if stops.stopped:
-                    finish = "stop"
-                    produced = last.generation_tokens
-                    break
+                if delta := answer.feed(last):
+                    job.emit("delta", delta)
                 produced = last.generation_tokens
+                if answer.stopped:
+                    finish = "stop"
+                    break
                 if last.finish_reason is not None:
                     finish = last.finish_reason
-            rest = stops.flush()
-            if rest:
-                job.emit("text", rest)
+            if delta := answer.finish():
+                job.emit("delta", delta)
         finally:
             responses.close()
+        if finish == "stop" and answer.made_call:
+            finish = "tool_calls"
         elapsed = time.perf_counter() - start - (first or 0.0)
         return Outcome(
             finish_reason=finish, prompt_tokens=len(request.prompt), cached_tokens=cached,
