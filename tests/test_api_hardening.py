@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import mlxspec
+from test_cli import assert_clean_error, invoke
 
 TESTS = Path(__file__).parent
 
@@ -118,23 +119,6 @@ def test_largest_seed_accepted():
 # ------------------------------------------------------------------- CLI on a tiny model dir
 
 
-def invoke(*args, input=None):
-    from click.testing import CliRunner
-
-    from mlxspec.cli.main import main
-
-    return CliRunner().invoke(main, list(args), input=input)
-
-
-def one_error_line(result, *needles):
-    assert result.exit_code in (1, 2), result.output
-    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
-    line = [x for x in result.output.splitlines() if x.startswith("Error")][-1]
-    for needle in needles:
-        assert needle in line, line
-    return line
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm_dir):
     from test_cli import tiny_llama
@@ -143,9 +127,9 @@ def tiny_dir(tmp_path_factory, smollm_dir):
 
 
 def test_undecodable_prompt_refused_in_one_line(tiny_dir):
-    one_error_line(invoke("generate", "-m", str(tiny_dir), "-p", "-", input=b"caf\xe9 ok\n"),
+    assert_clean_error(invoke("generate", "-m", str(tiny_dir), "-p", "-", input=b"caf\xe9 ok\n"),
                    "UTF-8", "0xe9")
-    one_error_line(invoke("generate", "-m", str(tiny_dir), "-p", "caf\udce9"), "UTF-8", "0xe9")
+    assert_clean_error(invoke("generate", "-m", str(tiny_dir), "-p", "caf\udce9"), "UTF-8", "0xe9")
 
 
 def test_chat_refuses_an_undecodable_line_and_goes_on(tiny_dir):
@@ -168,7 +152,7 @@ def broken_template_dir(tiny_dir, tmp_path):
 
 
 def test_a_template_that_fails_to_render_is_one_line(broken_template_dir):
-    one_error_line(invoke("generate", "-m", str(broken_template_dir), "-p", "hi", "-n", "2"),
+    assert_clean_error(invoke("generate", "-m", str(broken_template_dir), "-p", "hi", "-n", "2"),
                    "chat_template.jinja", "--no-chat-template")
     chat = invoke("chat", "-m", str(broken_template_dir), "-n", "2", input="hi\n/quit\n")
     assert chat.exit_code == 0 and "Traceback" not in chat.output, chat.output

@@ -12,17 +12,16 @@ import sys
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
 
 pytest.importorskip("uvicorn", reason="mlxspec serve needs the server extra")
 
+from test_request_checks import tiny  # noqa: E402,F401  (a fixture: the tiny llama)
 from test_server import Running, post_json  # noqa: E402
 
 from mlxspec.generate import GenerationResponse, stream_generate  # noqa: E402
 from mlxspec.sampling import SamplingConfig, processed_logprobs  # noqa: E402
 from mlxspec.server import make_server  # noqa: E402
 
-VOCAB = 49152
 HI = [{"role": "user", "content": "hi"}]
 GENERATE = sys.modules["mlxspec.generate"]  # the module (mlxspec.generate is the function)
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -51,20 +50,6 @@ Call a function as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_en
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-
-
-@pytest.fixture(scope="module")
-def tiny(smollm_dir):
-    from mlx_lm.utils import load_tokenizer
-
-    mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1,
-                           intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                           rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=512,
-                           tie_word_embeddings=True)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model, load_tokenizer(smollm_dir)
 
 
 @pytest.fixture(scope="module")

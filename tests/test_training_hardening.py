@@ -14,6 +14,7 @@ import mlxspec
 from mlxspec.cli.main import main
 from mlxspec.training.medusa_trainer import train_medusa
 from mlxspec.training.run import TrainingDiverged
+from test_cli import assert_clean_error
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7, 3], [5, 9, 11, 5, 9, 11], [3, 8], [20, 21, 22, 23]]
 
@@ -33,15 +34,6 @@ def invoke(*args):
     return CliRunner().invoke(main, ["train", *args])
 
 
-def one_line(result, *needles):
-    assert result.exit_code in (1, 2), result.output
-    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
-    line = [x for x in result.output.splitlines() if x.startswith("Error")][-1]
-    for needle in needles:
-        assert needle in line, line
-    return line
-
-
 @pytest.mark.parametrize("name, value", [("lr", math.nan), ("lr", 0.0), ("lr", -1e-3),
                                          ("lr", math.inf), ("grad_clip", math.nan),
                                          ("weight_decay", -1.0)])
@@ -56,7 +48,7 @@ def test_cli_refuses_a_bad_lr_before_loading(tmp_path, monkeypatch, value):
     monkeypatch.setattr(mlxspec.loading, "load", lambda *a, **k: pytest.fail("loaded"))
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
-    one_line(invoke("medusa", "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+    assert_clean_error(invoke("medusa", "--prompts", str(prompts), "--out", str(tmp_path / "o"),
                     "--lr", value), "--lr")
 
 
@@ -87,13 +79,13 @@ def test_bad_prompt_lines_name_the_file_and_line(target, tmp_path, monkeypatch, 
     with pytest.raises(ValueError, match=f"prompts.jsonl{where}"):
         train_medusa(target, str(prompts), tmp_path / "run", steps=1, progress=False)
     monkeypatch.setattr(mlxspec.loading, "load", lambda *a, **k: pytest.fail("loaded"))
-    one_line(invoke("medusa", "--prompts", str(prompts), "--out", str(tmp_path / "o")),
+    assert_clean_error(invoke("medusa", "--prompts", str(prompts), "--out", str(tmp_path / "o")),
              f"prompts.jsonl{where}")
 
 
 def test_a_missing_prompts_file_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(mlxspec.loading, "load", lambda *a, **k: pytest.fail("loaded"))
-    one_line(invoke("medusa", "--prompts", str(tmp_path / "nope.jsonl"), "--out",
+    assert_clean_error(invoke("medusa", "--prompts", str(tmp_path / "nope.jsonl"), "--out",
                     str(tmp_path / "o")), "nope.jsonl", "not found")
 
 
@@ -111,5 +103,6 @@ def test_cli_says_resume_flag(tmp_path, monkeypatch):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     monkeypatch.setattr(mlxspec.loading, "load", lambda *a, **k: pytest.fail("loaded"))
-    line = one_line(invoke("medusa", "--prompts", str(prompts), "--out", str(out)), "--resume")
+    result = invoke("medusa", "--prompts", str(prompts), "--out", str(out))
+    line = assert_clean_error(result, "--resume")
     assert "resume=True" not in line
