@@ -328,3 +328,11 @@ def test_an_oversized_body_without_content_length_is_413(served):
                 break
             reply += data
     assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply
+
+
+def test_an_empty_completion_prompt_is_400_naming_prompt(served):
+    """"" tokenises to nothing with SmolLM2 (no BOS is added): the worker used to answer 500."""
+    running, _ = served
+    reply = post_json(running.url + "/v1/completions", json.dumps({"prompt": "", "max_tokens": 2}))
+    error = assert_openai_error(reply, 400, param="prompt")
+    assert error["message"].startswith("the prompt is empty")

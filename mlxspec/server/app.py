@@ -188,20 +188,16 @@ class Server:
                                 f"serves {self.model_id!r}", param="model",
                            code="model_not_found")
         try:
-            parsed = parse_request(body, chat=chat, tokenizer=self.tokenizer,
-                                   max_num_draft=self.max_num_draft,
-                                   context_length=self.context_length,
-                                   drafters=self.drafter_names)
+            return parse_request(body, chat=chat, tokenizer=self.tokenizer,
+                                 max_num_draft=self.max_num_draft,
+                                 context_length=self.context_length,
+                                 drafters=self.drafter_names)
         except APIError:
             raise
         except Exception as err:  # noqa: BLE001  (a chat template that refuses the messages)
             raise APIError(400, f"the request cannot be rendered for this model: "
                                 f"{type(err).__name__}: {err}",
                            param="messages" if chat else "prompt") from None
-        if not parsed.prompt:  # "" tokenises to nothing; the worker refused it with a 500
-            raise APIError(400, "the prompt is empty: send at least one character",
-                           param="messages" if chat else "prompt")
-        return parsed
 
     def envelope(self, job: Job, chat: bool) -> dict:
         return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,

@@ -343,7 +343,10 @@ def _prompt(body: dict, chat: bool, tokenizer, tools: list | None) -> list[int]:
         text = text[0]
     if not isinstance(text, str):
         raise APIError(400, "prompt must be a string", param="prompt")
-    return encode_prompt(tokenizer, text)
+    tokens = encode_prompt(tokenizer, text)
+    if not tokens:  # "" with a tokenizer that adds no BOS: nothing to continue
+        raise APIError(400, "the prompt is empty: send at least one character", param="prompt")
+    return tokens
 
 
 def _rendered_tools(body: dict, chat: bool, tokenizer) -> list[dict] | None:
