@@ -18,9 +18,9 @@ import mlx.core as mx
 from . import _blas
 from .generate import encode_prompt, stream_generate
 from .intervals import paired_ratio, paired_tau_ratio, tau, tau_interval
-from .mlx_backend import is_recurrent
 from .peers import LlamaCppPeer, llama_cpp_missing
 from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
+from .rollback import recurrent_layers, restore, snapshot, trim_attention
 
 SUITES = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts, "copy": copy_prompts}
 
@@ -372,7 +372,8 @@ def verify_cost(model, tokenizer, sizes=(1, 2, 4, 8, 16), context: int = 256, re
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([ids]), cache=cache))
     # A hybrid's recurrent states are put back as they were (each pass replaces them).
-    recurrent = [(c, list(c.cache)) for c in cache if is_recurrent(c)]
+    recurrent = recurrent_layers(cache)
+    states = snapshot(recurrent)
     times = {}
     for n in sizes:
         samples = []
@@ -380,11 +381,8 @@ def verify_cost(model, tokenizer, sizes=(1, 2, 4, 8, 16), context: int = 256, re
             start = time.perf_counter()
             mx.eval(model(mx.array([ids[:n]]), cache=cache))
             samples.append(time.perf_counter() - start)
-            for c in cache:
-                if not is_recurrent(c):
-                    c.trim(n)
-            for c, states in recurrent:
-                c.cache = list(states)
+            trim_attention(cache, n)
+            restore(recurrent, states)
         times[n] = statistics.median(samples[1:])
     return {str(n): times[n] / times[sizes[0]] for n in sizes}
 
