@@ -138,3 +138,31 @@ def test_effective_drafts_per_step_reported(tiny, tmp_path):
     assert "up to 3 drafts per step" in format_stats(last)
     plain = list(mlxspec.stream_generate(model, tokenizer, [1, 2, 3], 2))[-1]
     assert plain.num_draft == 0
+
+
+class NoTokenising:
+    """A tokenizer whose vocabulary may be read but which must not render or tokenise."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def get_vocab(self):
+        return self.inner.get_vocab()
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the request was tokenised ({name}) before it was refused")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_text_surely_over_the_window_is_refused_before_tokenising(tiny, chat):
+    """A 3.8 MB message took seconds of CPU to tokenise before its length was refused."""
+    from mlxspec.server.requests import APIError, parse_request
+
+    _, tokenizer = tiny
+    text = "a" * 2_000_000  # >= 2e6 / (longest token's bytes) tokens: over 8192 for SmolLM2's
+    body = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+    with pytest.raises(APIError) as refused:
+        parse_request(body, chat=chat, tokenizer=NoTokenising(tokenizer), context_length=8192,
+                      drafters=("none",))
+    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.param == ("messages" if chat else "prompt")

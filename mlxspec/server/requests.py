@@ -5,6 +5,7 @@ model time and never reaches the worker. Every field of a body is either honoure
 a 400 naming it: a field this server does not know, or an OpenAI setting it cannot honour (a
 penalty, logit_bias, n > 1, a JSON response format, a forced tool choice), is never ignored."""
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -331,9 +332,32 @@ def _num_draft(body: dict, max_num_draft: int | None) -> int | None:
     return num_draft
 
 
-def _prompt(body: dict, chat: bool, tokenizer, tools: list | None) -> list[int]:
+@functools.lru_cache(maxsize=8)
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes one token covers: its vocabulary string's UTF-8 length (a
+    byte-level BPE or SentencePiece string spells each byte in one or more characters)."""
+    return max((len(piece.encode("utf-8", "surrogatepass")) for piece in tokenizer.get_vocab()),
+               default=1)
+
+
+def _surely_too_long(texts: list[str], tokenizer, context_length: int | None, where: str):
+    """Refuse text that must exceed the context window before it is tokenised (a 3.8 MB message
+    took seconds of CPU to find that out): it holds at least bytes / longest_token_bytes tokens."""
+    if context_length is None:
+        return
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+    at_least = -(-size // longest_token_bytes(tokenizer))
+    if at_least > context_length:
+        raise APIError(400, f"the {where} is {size} bytes, at least {at_least} tokens; this "
+                            f"model's context window is {context_length}", param=where,
+                       code="context_length_exceeded")
+
+
+def _prompt(body: dict, chat: bool, tokenizer, tools: list | None,
+            context_length: int | None) -> list[int]:
     if chat:
         messages = _chat_messages(body.get("messages"))
+        _surely_too_long([m["content"] for m in messages], tokenizer, context_length, "messages")
         if tools is None:
             return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         return list(tokenizer.apply_chat_template(messages, tools=tools,
@@ -343,6 +367,7 @@ def _prompt(body: dict, chat: bool, tokenizer, tools: list | None) -> list[int]:
         text = text[0]
     if not isinstance(text, str):
         raise APIError(400, "prompt must be a string", param="prompt")
+    _surely_too_long([text], tokenizer, context_length, "prompt")
     tokens = encode_prompt(tokenizer, text)
     if not tokens:  # "" with a tokenizer that adds no BOS: nothing to continue
         raise APIError(400, "the prompt is empty: send at least one character", param="prompt")
@@ -392,7 +417,7 @@ def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
     except (TypeError, ValueError) as err:
         raise APIError(400, str(err), param=str(err).split(" ")[0]) from None
     request.tools = _rendered_tools(body, chat, tokenizer)
-    request.prompt = _prompt(body, chat, tokenizer, request.tools)
+    request.prompt = _prompt(body, chat, tokenizer, request.tools, context_length)
     request.max_tokens = _max_tokens(body, chat, request.prompt, context_length)
     request.prediction = _prediction(
         body, lambda text: tokenizer.encode(text, add_special_tokens=False))
