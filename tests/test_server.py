@@ -238,13 +238,20 @@ def test_unknown_route_and_oversized_body(served):
     with socket.create_connection(("127.0.0.1", running.port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: 5242880\r\n\r\n{")
-        reply = b""
-        while b"body_too_large" not in reply:  # headers and body may come in separate reads
-            data = s.recv(4096)
-            if not data:
-                break
-            reply += data
+        reply = read_until(s, b"body_too_large")
     assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply
+
+
+def read_until(sock, marker: bytes) -> bytes:
+    """What a raw socket receives until `marker` arrives or the server closes: headers and body
+    may come in separate reads."""
+    reply = b""
+    while marker not in reply:
+        data = sock.recv(4096)
+        if not data:
+            break
+        reply += data
+    return reply
 
 
 def test_api_key_is_required_when_set(smollm):

@@ -7,7 +7,7 @@ import socket
 import threading
 
 import pytest
-from test_server import MODEL_ID, Running, http, post_json, reference
+from test_server import MODEL_ID, Running, http, post_json, read_until, reference
 
 from mlxspec.server import check_exposure, make_server
 from mlxspec.server.guards import MAX_JSON_DEPTH, RenderSlots, is_loopback, json_too_deep
@@ -321,12 +321,7 @@ def test_an_oversized_body_without_content_length_is_413(served):
                 s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             except (BrokenPipeError, ConnectionResetError):
                 break  # the server answered and closed
-        reply = b""
-        while b"body_too_large" not in reply:
-            data = s.recv(4096)
-            if not data:
-                break
-            reply += data
+        reply = read_until(s, b"body_too_large")
     assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply
 
 
