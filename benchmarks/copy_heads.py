@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from mlxspec.models.dflash import DFlashConfig, read_weights
-from mlxspec.torch_backend.dflash_training import TorchDFlashTraining, _rotate
+from mlxspec.backends.torch.dflash_training import TorchDFlashTraining, _rotate
 from mlxspec.training.data import SequenceStore
 from mlxspec.training.dflash_trainer import _schedule, sample_anchors
 

@@ -13,7 +13,7 @@ import mlxspec  # first: it loads OpenBLAS before MLX is imported
 import mlx.core as mx  # noqa: I001
 from mlxspec.bench import chat_prompt
 from mlxspec.engine import EMPTY_DRAFT
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
 from mlxspec.sampling import SamplingConfig
 from mlxspec.training.data import eos_ids

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_5
 
 from mlxspec.engine import Draft
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 CONFIG = dict(model_type="qwen3_5", vocab_size=32000, hidden_size=1024, num_hidden_layers=16,

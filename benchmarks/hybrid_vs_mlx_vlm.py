@@ -12,7 +12,7 @@ layout; both engines load those files. 256 tokens of context, then for K = 1, 4,
             outside a transaction but with the per-token gated-delta loop its tape runs on
   verify    the pass as the engine runs it while speculating (ours: MLXTarget.launch + verdict,
             recording the recurrent layers' inputs and, on the CPU, keeping the Gated DeltaNet
-            states of every position (mlxspec.state_tape); mlx-vlm: _dflash_verify, which opens a cache
+            states of every position (mlxspec.backends.mlx.state_tape); mlx-vlm: _dflash_verify, which opens a cache
             transaction so the gated-delta step writes the state after every token), with the
             greedy acceptance argmax and the captured layers' features, as the DFlash loops do
   capture   verify - baseline: what making the pass undoable costs during it
@@ -126,7 +126,7 @@ def measure_ours(model_dir: Path, ks, context: int, repeats: int) -> dict:
     from mlx_lm.utils import load_model
 
     from mlxspec.engine import Draft
-    from mlxspec.mlx_backend import MLXTarget, is_recurrent
+    from mlxspec.backends.mlx.target import MLXTarget, is_recurrent
     from mlxspec.sampling import SamplingConfig
 
     model, _ = load_model(model_dir)

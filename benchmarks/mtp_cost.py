@@ -39,7 +39,7 @@ import mlx.core as mx
 from mlxspec.converters.hf import load_checkpoint
 from mlxspec.drafters.mtp import load_mtp_drafter
 from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

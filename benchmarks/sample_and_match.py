@@ -23,7 +23,8 @@ import mlx.core as mx
 
 from mlxspec.intervals import ratio_interval
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
-from mlxspec.sampling import SamplingConfig, processed_logprobs
+from mlxspec.sampling import SamplingConfig
+from mlxspec.backends.mlx.sampling import processed_logprobs
 
 SUITES = {"HumanEval": humaneval_prompts, "MT-Bench": mtbench_prompts}
 

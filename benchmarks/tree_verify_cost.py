@@ -2,7 +2,7 @@
 
 SmolLM2-135M (dense fp32, OpenBLAS), 256 tokens of context; for N = 4, 8, 16, 32 draft nodes a
 pass over [pending, N nodes] as a chain (mlx-lm's causal fast path) and as a tree (the ancestor
-mask and per-node RoPE positions of mlxspec.tree_pass: a binary tree, and the best-first shape
+mask and per-node RoPE positions of mlxspec.backends.mlx.tree_pass: a binary tree, and the best-first shape
 DDTree grows from a peaked distribution), then the cache kept for a 3-node branch of it. Medians
 of 7 after one warm-up; the plain decode step (N = 0) is the unit.
 
@@ -16,7 +16,7 @@ import mlxspec
 import mlx.core as mx
 
 from mlxspec.engine import Draft, Verdict
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 from mlxspec.tree import TreeShape, best_first_tree
 

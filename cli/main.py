@@ -8,9 +8,9 @@ from mlxspec import _blas
 
 _blas.preload_openblas()
 
+from mlxspec.backends import BACKENDS  # noqa: E402
 from mlxspec.distributed import DistributedError  # noqa: E402
 from mlxspec.drafters import registry  # noqa: E402  (after OpenBLAS is loaded above)
-from mlxspec.loading import BACKENDS  # noqa: E402
 
 
 POSITIVE = click.IntRange(min=1)  # a count: 0 or -1 would mean "none" or "all", silently
@@ -35,7 +35,7 @@ def _fail(err: Exception):
 def _user_errors() -> tuple:
     """What bad input files, a missing extra or the disk (full, read-only) raise while loading or
     converting: one line each from the CLI. OSError covers permissions and disk space."""
-    from mlxspec.loading import MissingExtraError
+    from mlxspec.extras import MissingExtraError
 
     return (ValueError, OSError, MissingExtraError, DistributedError)
 
@@ -212,8 +212,18 @@ def _options_for(drafter: str, values: dict) -> dict:
             if values.get(o.name, o.default) != o.default}
 
 
+def _backend(name):
+    """The backend --backend names; a missing extra is one Error: line."""
+    from mlxspec.backends import backend_named
+
+    try:
+        return backend_named(name)
+    except _user_errors() as err:
+        _fail(err)
+
+
 def _check_backend(backend, device):
-    if device is not None and backend != "torch":
+    if device is not None and not _backend(backend).devices:
         raise click.BadParameter("applies to --backend torch only", param_hint="--device")
 
 
@@ -222,7 +232,7 @@ def load_target(model, dtype, backend, device, shard):
     import mlxspec
     from mlxspec.distributed import launched
 
-    if launched() and backend != "mlx":
+    if launched() and not _backend(backend).mlx_lm:
         raise click.BadParameter("a target split across ranks runs on mlx only",
                                  param_hint="--backend")
     try:
@@ -248,10 +258,9 @@ def _load_all(model, dtype, backend, device, drafter, draft_model, options, verb
 
 
 def _backend_line(target) -> str:
-    from mlxspec.generate import BACKEND_PARTS
-    from mlxspec.loading import backend_of
+    from mlxspec.backends import backend_for
 
-    return BACKEND_PARTS[backend_of(target)]().describe(target)
+    return backend_for(target).describe(target)
 
 
 def build_prompt(tokenizer, messages, no_chat_template, template: str = "the chat template"):
@@ -354,7 +363,8 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
          **drafter_options):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
-    from mlxspec.generate import BACKEND_PARTS, check_utf8
+    from mlxspec.backends import backend_for
+    from mlxspec.generate import check_utf8
 
     _check_decoding(num_draft, max_tokens, drafter, draft_model, drafter_options,
                     temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
@@ -363,7 +373,7 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
                                         drafter_options, False, shard)
     color = sys.stdout.isatty() if color is None else color
-    prompt_cache = BACKEND_PARTS[backend]().prompt_cache()  # turns prefill only what is new
+    prompt_cache = backend_for(target).prompt_cache()  # turns prefill only what is new
     history = []
     template = _template_name(target)
     click.echo("mlxspec chat: /reset clears the history, /quit exits.")
@@ -570,10 +580,10 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
         if checkpoint and not checkpoint.shipped and not paths.get(kind.model_name):
             raise click.BadParameter(f"the {kind.model_name} drafter needs {flag}", param_hint=flag)
     _check_backend(backend, device)
-    if backend == "torch" and with_mlx_lm:
+    if with_mlx_lm and not _backend(backend).mlx_lm:
         raise click.BadParameter("mlx-lm runs on MLX only; drop it with --backend torch",
                                  param_hint="--mlx-lm")
-    with_mlx_lm = backend == "mlx" if with_mlx_lm is None else with_mlx_lm
+    with_mlx_lm = _backend(backend).mlx_lm if with_mlx_lm is None else with_mlx_lm
     try:
         if server is not None:  # an unreachable server fails here, before any model loads
             from mlxspec.bench import server_model
@@ -616,7 +626,7 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
     report["settings"]["draft_model"] = draft_model
     report["settings"]["server"] = server
     report["settings"]["backend"] = backend
-    if backend == "torch":
+    if _backend(backend).devices:
         report["settings"]["device"] = _backend_line(target)
     from mlxspec.bench import plot_report
 
@@ -644,7 +654,7 @@ def _bench_overhead(model, dtype, backend, drafters, suites, temps, max_tokens, 
     from mlxspec.loading import resolve_model_dir
     from mlxspec.overhead import OVERHEAD_DRAFTERS, overhead_table, plot_overhead, run_overhead
 
-    if backend != "mlx":
+    if not _backend(backend).mlx_lm:
         raise click.BadParameter("measures the MLX loop", param_hint="--overhead")
     if any(t != 0 for t in temps):
         raise click.BadParameter("--overhead runs greedy (--temp 0)", param_hint="--temp")

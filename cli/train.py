@@ -132,7 +132,8 @@ def check_run_options(options: dict) -> None:
 
 def load_targets(target, dtype, generate_with, backend="mlx", device=None):
     """(MLX target, tokenizer, torch target or None, response generator or None)."""
-    from mlxspec.loading import load, require_torch
+    from mlxspec.backends import require_torch
+    from mlxspec.loading import load
 
     if "torch" in (backend, generate_with):
         require_torch()  # before the target is converted or loaded
@@ -156,7 +157,7 @@ def run_training(train_fn, target, dtype, generate_with, backend="mlx", device=N
                  torch_for=None, **options):
     """Load the target(s), train, report; a user's mistake is one Error: line. `torch_for`:
     the keyword that gets a torch copy of the target (besides --backend torch's)."""
-    from mlxspec.loading import MissingExtraError
+    from mlxspec.extras import MissingExtraError
 
     try:
         model, tokenizer, torch_model, generator = load_targets(

@@ -14,11 +14,12 @@ from ._blas import SlowBlasWarning, blas_in_use, preload_openblas
 
 preload_openblas()  # before anything imports mlx.core
 
+from .backends import BACKENDS  # noqa: E402
+from .backends.mlx.target import PromptCache  # noqa: E402
 from .drafters import load_drafter  # noqa: E402
 from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
 from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
-from .loading import BACKENDS, load  # noqa: E402
-from .mlx_backend import PromptCache  # noqa: E402
+from .loading import load  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
 
 __version__ = "0.1.0"

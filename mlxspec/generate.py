@@ -2,16 +2,16 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .backends import Backend, backend_for
+from .backends.mlx.target import PromptCache
 from .distributed import DistributedError, LeaderTarget, cache_slot, follower, stage_of
 from .engine import Drafter, SpecStats, draft_limit, speculative_tokens
 from .generation_lock import one_generation_per_model
-from .loading import backend_of, check_backend
-from .mlx_backend import MLXTarget, PromptCache, context_length, vocab_size
 from .sampling import SamplingConfig, is_integer
 
 
@@ -106,7 +106,7 @@ def check_count(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def check_request(parts: "BackendParts", model, prompt_tokens: list[int], max_tokens: int) -> None:
+def check_request(parts: Backend, model, prompt_tokens: list[int], max_tokens: int) -> None:
     """Reject requests that cannot succeed, before any compute: an out-of-vocabulary id would
     read past the embedding table (a crash, or silent garbage)."""
     if not prompt_tokens:
@@ -125,57 +125,6 @@ def check_request(parts: "BackendParts", model, prompt_tokens: list[int], max_to
             f"prompt ({len(prompt_tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
             f"model's context window of {limit} tokens"
         )
-
-
-def resolve_backend(model, backend: str | None = None) -> str:
-    """The backend that runs `model`: its own type decides ("torch" for a torch module, else
-    "mlx"); an explicit `backend` is checked against it."""
-    actual = backend_of(model)
-    if backend is not None and check_backend(backend) != actual:
-        raise ValueError(
-            f"backend={backend!r} but the model is a {actual} model; load it with "
-            f"mlxspec.load(..., backend={backend!r})"
-        )
-    return actual
-
-
-@dataclass(frozen=True)
-class BackendParts:
-    """What the API and the CLI need of a backend beyond the shared loop."""
-
-    target: type
-    prompt_cache: type
-    seed: Callable[[int], None]
-    peak_memory_gb: Callable[[object], float]
-    context_length: Callable[[object], "int | None"]
-    vocab_size: Callable[[object], int]
-    describe: Callable[[object], str]  # where a model runs, for --verbose and bench reports
-    run_steps: Callable[[Iterator], Iterator] = iter  # each step of the loop, run as it needs
-
-
-def _mlx_parts() -> BackendParts:
-    from ._blas import blas_in_use
-
-    def describe(model) -> str:
-        stage = stage_of(model)
-        return f"BLAS: {blas_in_use()}" + (f"; {stage.describe()}" if stage is not None else "")
-
-    return BackendParts(MLXTarget, PromptCache, mx.random.seed,
-                        lambda model: mx.get_peak_memory() / 1e9, context_length, vocab_size,
-                        describe)
-
-
-def _torch_parts() -> BackendParts:
-    from . import torch_backend as tb
-
-    def describe(model) -> str:
-        return f"torch: {model.device}, {str(model.dtype).replace('torch.', '')}"
-
-    return BackendParts(tb.TorchTarget, tb.TorchPromptCache, tb.seed, tb.peak_memory_gb,
-                        tb.context_length, tb.vocab_size, describe, _blas_single_threaded)
-
-
-BACKEND_PARTS = {"mlx": _mlx_parts, "torch": _torch_parts}
 
 
 def _as_wrapper(tokenizer) -> TokenizerWrapper:
@@ -225,12 +174,11 @@ def stream_generate(
     """
     from .drafters import resolve_drafter
 
-    backend = resolve_backend(model, backend)
-    parts = BACKEND_PARTS[backend]()
+    parts = backend_for(model, backend)
     if prompt_cache is not None and not isinstance(prompt_cache, parts.prompt_cache):
         cache_class = parts.prompt_cache
         raise TypeError(
-            f"a {type(prompt_cache).__name__} cannot hold a {backend} model's cache; use "
+            f"a {type(prompt_cache).__name__} cannot hold a {parts.name} model's cache; use "
             f"{cache_class.__module__}.{cache_class.__name__}"
         )
     tokenizer = _as_wrapper(tokenizer)
@@ -345,19 +293,6 @@ def stream_generate(
             prompt_cache.remember(prompt_tokens + output)
         if stage is not None:  # the other ranks keep their caches as this one's stand
             target.finish()
-
-
-def _blas_single_threaded(steps):
-    """Each step of a torch-backend loop with OpenBLAS on one thread (see
-    `_blas.openblas_single_thread`); restored between steps, so the caller's MLX code is not."""
-    from ._blas import openblas_single_thread
-
-    while True:
-        with openblas_single_thread():
-            item = next(steps, None)
-        if item is None:
-            return
-        yield item
 
 
 def generate(model, tokenizer, prompt, max_tokens: int = 256, *, verbose: bool = False, **kwargs):

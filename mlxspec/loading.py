@@ -5,9 +5,9 @@ import hashlib
 import importlib.util
 import os
 import re
-import sys
 from pathlib import Path
 
+from .backends import backend_named
 from .checkpoint_checks import check_config, check_no_remote_code
 from .file_checks import check_safetensors, read_json_object
 
@@ -117,40 +117,6 @@ SOURCE = "mlxspec_source"
 CACHE_FIX = "set MLXSPEC_CACHE to a writable directory"
 
 
-BACKENDS = ("mlx", "torch")
-
-
-def backend_of(model) -> str:
-    """"torch" for a torch module (possible only once torch is imported), else "mlx"."""
-    torch = sys.modules.get("torch")
-    return "torch" if torch is not None and isinstance(model, torch.nn.Module) else "mlx"
-
-
-class MissingExtraError(ModuleNotFoundError):
-    """An optional dependency is not installed; the message says which extra installs it."""
-
-
-def require_torch() -> None:
-    """The torch backend needs the `torch` extra: say so before any model work, not mid-load."""
-    for name in ("torch", "transformers"):
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a broken install, or a finder that refuses it
-            found = False
-        if not found:
-            raise MissingExtraError(
-                f"the torch backend needs {name}, which is not installed: "
-                "pip install 'mlxspec[torch]'",
-                name=name,
-            )
-
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    return backend
-
-
 def load(
     path_or_repo: str | os.PathLike | None = None,
     *,
@@ -173,43 +139,19 @@ def load(
     rank then calls the same generation functions and rank 0's output is the target's own (see
     mlxspec.distributed). In a single process it loads the whole model.
     """
-    check_backend(backend)
+    chosen = backend_named(backend)  # a missing extra fails here, before any model work
     if shard is not None:
-        if backend != "mlx":
+        if not chosen.mlx_lm:
             raise ValueError("a split target (shard=...) runs on the mlx backend only")
         return _load_split(path_or_repo, dtype, shard, group)
-    if backend == "mlx" and (device is not None or torch_dtype is not None):
+    if not chosen.devices and (device is not None or torch_dtype is not None):
         raise ValueError("device and torch_dtype apply to the torch backend only (backend='torch')")
-    if backend == "torch":
-        require_torch()
-        from . import torch_backend
-
-        device = torch_backend.resolve_device(device)  # a missing CUDA fails before any work
-        model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
-        check_model_dir(model_dir)
-        model, tokenizer = torch_backend.load(model_dir, device=device, dtype=torch_dtype)
-        setattr(model, SOURCE, model_dir)
-        return model, tokenizer
-
-    from . import _blas
-
-    _blas.preload_openblas()
-    return _load_mlx(resolve_model_dir(path_or_repo, dtype=dtype))
-
-
-def _load_mlx(model_dir: Path, split=None):
-    """mlx_lm.load, with the config read as transformers 5 writes it (a Hugging Face directory
-    of a hybrid model loads as it converts); missing or misshapen weights are one line. With
-    `split`, the model loads lazily and split(model) keeps and reads this rank's share."""
-    from .checkpoint_checks import load_tokenizer
-    from .converters.hf import load_checkpoint
-
+    load_dir = chosen.loader(device, torch_dtype)  # a missing CUDA fails before any work
+    model_dir = resolve_model_dir(path_or_repo, dtype=dtype)
     check_model_dir(model_dir)
-    model, config = load_checkpoint(model_dir, lazy=split is not None, action="load")
-    if split is not None:
-        split(model)
+    model, tokenizer = load_dir(model_dir)
     setattr(model, SOURCE, model_dir)
-    return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer
 
 
 def _load_split(path_or_repo, dtype: str, sharding: str, group):
@@ -221,6 +163,7 @@ def _load_split(path_or_repo, dtype: str, sharding: str, group):
     import mlx.core as mx
 
     from . import distributed
+    from .backends.mlx.loading import load_model_dir
 
     distributed.check_sharding(sharding)
     group = group if group is not None else mx.distributed.init()
@@ -236,4 +179,7 @@ def _load_split(path_or_repo, dtype: str, sharding: str, group):
         distributed.split_model(model, sharding, group)
         distributed.barrier(group)
 
-    return _load_mlx(model_dir, split)
+    check_model_dir(model_dir)
+    model, tokenizer = load_model_dir(model_dir, split)
+    setattr(model, SOURCE, model_dir)
+    return model, tokenizer

@@ -26,7 +26,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from ..tree_pass import TreeRoPE
+from ..backends.mlx.tree_pass import TreeRoPE
 from .dflash import rope_for
 
 LAYOUTS = ("speculators", "specforge")

@@ -31,8 +31,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..file_checks import one_line
-from ..hidden_states import instance_attributes
-from ..tree_pass import TreeRoPE, attention_modules
+from ..backends.mlx.hidden_states import instance_attributes
+from ..backends.mlx.tree_pass import TreeRoPE, attention_modules
 
 MTP_WEIGHTS = "mtp.safetensors"  # a converted model's MTP tensors, as published
 

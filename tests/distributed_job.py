@@ -117,7 +117,7 @@ def state_sums(model, cache) -> list[float]:
     runs it: a rank whose state went wrong shows here even where the tokens do not."""
     from mlx.utils import tree_flatten
 
-    from mlxspec.hidden_states import decoder_layers
+    from mlxspec.backends.mlx.hidden_states import decoder_layers
 
     stage = mlxspec.distributed.stage_of(model)
     sums = [0.0] * len(decoder_layers(model))

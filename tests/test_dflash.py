@@ -28,7 +28,7 @@ from mlxspec.converters import convert
 from mlxspec.converters.dflash import convert_dflash, is_dflash_checkpoint
 from mlxspec.drafters.dflash import DFlashDrafter, head_rows, load_dflash_drafter
 from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
 from mlxspec.sampling import SamplingConfig
 

@@ -253,7 +253,7 @@ def test_splits_refuse_what_they_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="tensor parallelism over a hybrid target"):
         split_model(tiny_qwen3_next(), "tensor", _TwoRanks())
     # Recurrent layers of a kind no rank can re-run alone (here: none recognised).
-    monkeypatch.setattr("mlxspec.mlx_backend.state_mixers", lambda model: [])
+    monkeypatch.setattr("mlxspec.backends.mlx.target.state_mixers", lambda model: [])
     with pytest.raises(ValueError, match="must be of a kind mlxspec re-runs alone"):
         split_model(tiny_qwen3_next(), "pipeline", _TwoRanks())
     monkeypatch.undo()

@@ -41,7 +41,7 @@ from mlxspec.drafters.eagle3_loading import (
     read_config,
 )
 from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"

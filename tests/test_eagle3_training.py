@@ -12,7 +12,7 @@ from tiny_models import tiny_llama
 
 from mlxspec.drafters import load_drafter
 from mlxspec.engine import Drafter, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.eagle3 import Eagle3Config, Eagle3Model
 from mlxspec.sampling import SamplingConfig
 from mlxspec.training.dflash_trainer import target_features

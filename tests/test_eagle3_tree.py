@@ -19,8 +19,9 @@ from tiny_models import tiny_llama
 import mlxspec
 from mlxspec.drafters.eagle3 import best_nodes, load_eagle3_drafter
 from mlxspec.engine import Drafter, Verdict
-from mlxspec.mlx_backend import MLXTarget
-from mlxspec.sampling import SamplingConfig, processed_logprobs
+from mlxspec.backends.mlx.target import MLXTarget
+from mlxspec.sampling import SamplingConfig
+from mlxspec.backends.mlx.sampling import processed_logprobs
 from mlxspec.tree import TreeShape
 
 DRAFT_IDS = [0, 1, 2, 3, 5, 8, 10, 11]  # 8 of the target's 12 tokens, mapped through d2t

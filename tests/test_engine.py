@@ -8,7 +8,7 @@ from tiny_models import tiny_llama
 from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter, PromptLookupDrafter, load_drafter
 from mlxspec.drafters.hybrid import PerSourceDraftLength
 from mlxspec.engine import AdaptiveDraftLength, Draft, Drafter, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 GREEDY = SamplingConfig()

@@ -29,7 +29,7 @@ from tiny_models import tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
 from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter
 from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget, cache_offset
+from mlxspec.backends.mlx.target import MLXTarget, cache_offset
 from mlxspec.sampling import SamplingConfig
 
 VOCAB = 40

@@ -25,8 +25,8 @@ from mlxspec.cli.main import main
 from mlxspec.drafters import load_drafter
 from mlxspec.drafters.layerskip import LayerSkipDrafter
 from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens
-from mlxspec.hidden_states import decoder_layers
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.hidden_states import decoder_layers
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temp=0.0)

@@ -17,8 +17,9 @@ import mlxspec
 from mlxspec.drafters import DraftModelDrafter
 from mlxspec.drafters.layerskip import LayerSkipDrafter
 from mlxspec.engine import Draft, Drafter, PlainDecoding, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
-from mlxspec.sampling import SamplingConfig, processed_logprobs
+from mlxspec.backends.mlx.target import MLXTarget
+from mlxspec.sampling import SamplingConfig
+from mlxspec.backends.mlx.sampling import processed_logprobs
 
 GREEDY = SamplingConfig()
 SAMPLED = SamplingConfig(temp=0.8, top_p=0.9)
@@ -128,7 +129,7 @@ def test_without_logprobs_a_pass_scores_nothing(target, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("scored without being asked")
 
-    monkeypatch.setattr("mlxspec.mlx_backend.committed_scores", refuse)
+    monkeypatch.setattr("mlxspec.backends.mlx.target.committed_scores", refuse)
     full = greedy_continuation(target, PROMPT)
     steps, _ = run(MLXTarget(target, speculative=True), PlantedChain(full), GREEDY, logprobs=None)
     assert [len(step) for step in steps] == [2] * LENGTH  # (token, from_draft), as before
@@ -216,7 +217,7 @@ def twin(target, tmp_path_factory, one_torch_thread):
 def torch_reference(model, prompt, out, sampling) -> np.ndarray:
     import torch
 
-    from mlxspec.torch_backend.sampling import processed_logprobs as torch_processed
+    from mlxspec.backends.torch.sampling import processed_logprobs as torch_processed
 
     with torch.inference_mode():
         ids = torch.tensor([prompt + out], device=model.device)
@@ -231,7 +232,7 @@ def torch_reference(model, prompt, out, sampling) -> np.ndarray:
 def test_torch_logprobs_are_the_targets_at_each_emitted_token(target, twin, sampling, kind):
     import torch
 
-    from mlxspec.torch_backend import TorchTarget
+    from mlxspec.backends.torch import TorchTarget
 
     full = greedy_continuation(target, PROMPT)  # the twin's too (test_torch_trees)
     torch.manual_seed(0)

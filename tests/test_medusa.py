@@ -28,7 +28,7 @@ from mlxspec.converters.hf import load_checkpoint
 from mlxspec.drafters import load_drafter
 from mlxspec.drafters.medusa import MedusaDrafter, load_medusa_drafter
 from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "medusa"

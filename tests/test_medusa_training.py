@@ -13,7 +13,7 @@ from tiny_models import tiny_llama
 from mlxspec.cli.main import main
 from mlxspec.drafters import load_drafter
 from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.medusa import MedusaHeads
 from mlxspec.sampling import SamplingConfig
 from mlxspec.training.dflash_trainer import target_features

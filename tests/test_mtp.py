@@ -27,7 +27,7 @@ from mlxspec.cli.main import main
 from mlxspec.converters.hf import load_checkpoint
 from mlxspec.drafters.mtp import MTPDrafter, load_mtp_drafter
 from mlxspec.engine import SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 WRITERS = {"qwen3_5": write_qwen3_5, "deepseek_v3": write_deepseek_v3}
@@ -58,7 +58,7 @@ def run(model, drafter, prompt, n, sampling=GREEDY, num_draft=3, adaptive=False)
 
 
 def plain(model, prompt, n):
-    tokens, cache = list(prompt), mlxspec.mlx_backend.make_prompt_cache(model)
+    tokens, cache = list(prompt), mlxspec.backends.mlx.target.make_prompt_cache(model)
     logits = model(mx.array(tokens)[None], cache=cache)
     out = []
     for _ in range(n):

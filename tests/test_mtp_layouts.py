@@ -13,7 +13,7 @@ from mtp_models import GLM_SIZES, _randomize, unstacked
 
 from mlxspec.drafters.mtp import MTPDrafter
 from mlxspec.engine import SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.mtp import build_mtp_model
 from mlxspec.sampling import SamplingConfig
 

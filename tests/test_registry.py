@@ -218,7 +218,7 @@ model, tokenizer = tiny_llama(vocab=49152), load_tokenizer(Path(sys.argv[1]))
 for name in ("none", "lookup"):
     drafter = mlxspec.load_drafter(name, model=model, tokenizer=tokenizer)
     text = mlxspec.generate(model, tokenizer, [1, 2, 3, 1, 2], max_tokens=4, drafter=drafter)
-print(sorted(m for m in sys.modules if m.startswith("mlxspec.torch_backend")))
+print(sorted(m for m in sys.modules if m.startswith("mlxspec.backends.torch")))
 """
 
 

@@ -15,7 +15,7 @@ from mlx_lm.models import llama
 
 import mlxspec
 from mlxspec.generate import format_stats
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.sampling import SamplingConfig
 
 VOCAB = 49152

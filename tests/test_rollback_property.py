@@ -16,7 +16,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from tiny_models import tiny_lfm2, tiny_llama, tiny_nemotron_h, tiny_qwen3_5, tiny_qwen3_next
 
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget, PromptCache
+from mlxspec.backends.mlx.target import MLXTarget, PromptCache
 from mlxspec.sampling import SamplingConfig
 
 VOCAB, N = 40, 14
@@ -126,7 +126,7 @@ def test_torch_dynamic_cache(target, prompt, tmp_path):
     pytest.importorskip("transformers")
     from test_torch_backend import torch_twin
 
-    from mlxspec.torch_backend import TorchTarget
+    from mlxspec.backends.torch import TorchTarget
 
     twin = torch_twin(target, tmp_path / "twin")
     ids, reference = list(prompt), []
@@ -226,7 +226,7 @@ def test_state_tape_puts_mlx_lm_back_even_when_the_pass_fails():
     afterwards (also after an exception inside the pass) they are mlx-lm's own again."""
     from mlx_lm.models import gated_delta, qwen3_5
 
-    from mlxspec.state_tape import state_tape, tape_modules
+    from mlxspec.backends.mlx.state_tape import state_tape, tape_modules
 
     model = tiny_qwen3_5(vocab=VOCAB, seed=2)
     modules = tape_modules([layer.linear_attn for layer in model.language_model.model.layers
@@ -272,7 +272,7 @@ def test_torch_sliding_window_cache(prompt):
     crop past them (it used to raise mid-generation): drafts shrink at its edge, then stop."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from mlxspec.torch_backend import TorchTarget
+    from mlxspec.backends.torch import TorchTarget
 
     torch.manual_seed(0)
     config = transformers.Qwen2Config(

@@ -14,12 +14,13 @@ import pytest
 from scipy import stats as scipy_stats
 from tiny_models import tiny_llama
 
-import mlxspec.mlx_backend as mlx_backend
-from mlxspec.acceptance import accept_sampled
+import mlxspec.backends.mlx.target as mlx_backend
+from mlxspec.backends.mlx.acceptance import accept_sampled
 from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter, PromptLookupDrafter
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
-from mlxspec.sampling import SamplingConfig, processed_logprobs
+from mlxspec.backends.mlx.target import MLXTarget
+from mlxspec.sampling import SamplingConfig
+from mlxspec.backends.mlx.sampling import processed_logprobs
 
 VOCAB, LENGTH, PROMPT = 5, 3, [0, 1]
 SAMPLES = 2500

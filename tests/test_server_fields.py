@@ -19,7 +19,8 @@ from test_request_checks import tiny  # noqa: E402,F401  (a fixture: the tiny ll
 from test_server import Running, post_json  # noqa: E402
 
 from mlxspec.generate import GenerationResponse, stream_generate  # noqa: E402
-from mlxspec.sampling import SamplingConfig, processed_logprobs  # noqa: E402
+from mlxspec.sampling import SamplingConfig  # noqa: E402
+from mlxspec.backends.mlx.sampling import processed_logprobs  # noqa: E402
 from mlxspec.server import make_server  # noqa: E402
 
 HI = [{"role": "user", "content": "hi"}]

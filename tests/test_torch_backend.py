@@ -31,23 +31,23 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install .[referenc
 transformers = pytest.importorskip("transformers", reason="the torch backend needs transformers")
 
 import mlxspec  # noqa: E402
-from mlxspec import acceptance as mlx_acceptance  # noqa: E402
-from mlxspec import sampling as mlx_sampling  # noqa: E402
+from mlxspec.backends.mlx import acceptance as mlx_acceptance  # noqa: E402
+from mlxspec.backends.mlx import sampling as mlx_sampling  # noqa: E402
 from mlxspec.drafters import DraftModelDrafter  # noqa: E402
 from mlxspec.drafters.dflash import load_dflash_drafter as load_mlx_dflash  # noqa: E402
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens  # noqa: E402
 from mlxspec.generate import encode_prompt  # noqa: E402
-from mlxspec.mlx_backend import MLXTarget  # noqa: E402
+from mlxspec.backends.mlx.target import MLXTarget  # noqa: E402
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts  # noqa: E402
 from mlxspec.sampling import SamplingConfig  # noqa: E402
-from mlxspec.torch_backend import (  # noqa: E402
+from mlxspec.backends.torch import (  # noqa: E402
     TorchDraftModelDrafter,
     TorchPromptCache,
     TorchTarget,
     load_causal_lm,
 )
-from mlxspec.torch_backend import acceptance as torch_acceptance  # noqa: E402
-from mlxspec.torch_backend import sampling as torch_sampling  # noqa: E402
+from mlxspec.backends.torch import acceptance as torch_acceptance  # noqa: E402
+from mlxspec.backends.torch import sampling as torch_sampling  # noqa: E402
 
 DEVICE = os.environ.get("MLXSPEC_TORCH_DEVICE", "cpu")
 LOGIT_ATOL = 1e-3
@@ -188,7 +188,7 @@ def test_dflash_block_logits_match(smollm, torch_smollm, smollm_random_dflash, p
     tmodel, ttokenizer = torch_smollm
     ours = mlxspec.load_drafter("dflash", smollm_random_dflash, model=tmodel, tokenizer=ttokenizer)
     theirs = mlxspec.load_drafter("dflash", smollm_random_dflash, model=model, tokenizer=tokenizer)
-    assert type(ours).__module__.startswith("mlxspec.torch_backend")
+    assert type(ours).__module__.startswith("mlxspec.backends.torch")
     ids = prompt_ids[0]
     _check_block_parity(*_features_and_block_logits(model, tmodel, theirs, ours, ids, 15),
                         "SmolLM2 + 1-layer DFlash")
@@ -513,7 +513,7 @@ def test_cuda_requested_without_cuda_is_a_clear_error():
 
 
 def test_default_device_and_dtype():
-    from mlxspec.torch_backend import resolve_device, resolve_dtype
+    from mlxspec.backends.torch import resolve_device, resolve_dtype
 
     cuda = torch.cuda.is_available()
     assert resolve_device(None).type == ("cuda" if cuda else "cpu")
@@ -545,7 +545,7 @@ def test_cli_generate_and_bench_with_torch_backend(smollm_dir):
 def test_torch_target_labels_equal_mlx(tiny_target, tmp_path):
     """The torch training twin reads the same teacher-forced target predictions as MLX."""
     from mlxspec.models.dflash import DFlashConfig, DFlashModel
-    from mlxspec.torch_backend.dflash_training import TorchDFlashTraining
+    from mlxspec.backends.torch.dflash_training import TorchDFlashTraining
     from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule, drafter_config_for
 
     twin = torch_twin(tiny_target, tmp_path / "twin")
@@ -574,7 +574,7 @@ def test_torch_padded_batch_is_the_sum_of_its_sequences(tiny_target, tmp_path):
     target pass and one drafter pass, weighs exactly what each sequence alone does: padded
     positions and padded blocks carry nothing, and no sequence sees another's context."""
     from mlxspec.models.dflash import DFlashConfig, DFlashModel
-    from mlxspec.torch_backend.dflash_training import TorchDFlashTraining
+    from mlxspec.backends.torch.dflash_training import TorchDFlashTraining
     from mlxspec.training.dflash_trainer import _schedule, drafter_config_for
 
     twin = torch_twin(tiny_target, tmp_path / "twin")

@@ -25,10 +25,10 @@ transformers = pytest.importorskip("transformers", reason="the torch backend nee
 import mlxspec  # noqa: E402
 from mlxspec.drafters.eagle3 import load_eagle3_drafter as load_mlx_eagle3  # noqa: E402
 from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens  # noqa: E402
-from mlxspec.mlx_backend import MLXTarget  # noqa: E402
+from mlxspec.backends.mlx.target import MLXTarget  # noqa: E402
 from mlxspec.sampling import SamplingConfig  # noqa: E402
-from mlxspec.torch_backend import TorchTarget  # noqa: E402
-from mlxspec.torch_backend.eagle3 import TorchEagle3Drafter  # noqa: E402
+from mlxspec.backends.torch import TorchTarget  # noqa: E402
+from mlxspec.backends.torch.eagle3 import TorchEagle3Drafter  # noqa: E402
 
 GREEDY = SamplingConfig()
 LAYOUTS = ["speculators", "specforge", "speculators_qwen3"]

@@ -37,8 +37,8 @@ import mlxspec  # noqa: E402
 from mlxspec.cli.main import main  # noqa: E402
 from mlxspec.engine import SpecStats, speculative_tokens  # noqa: E402
 from mlxspec.sampling import SamplingConfig  # noqa: E402
-from mlxspec.torch_backend import TorchPromptCache, TorchTarget  # noqa: E402
-from mlxspec.torch_backend.target import make_cache, recurrent_layers  # noqa: E402
+from mlxspec.backends.torch import TorchPromptCache, TorchTarget  # noqa: E402
+from mlxspec.backends.torch.target import make_cache, recurrent_layers  # noqa: E402
 
 DEVICE = os.environ.get("MLXSPEC_TORCH_DEVICE", "cpu")
 VOCAB = 49152  # SmolLM2's tokenizer, for the API and CLI runs

@@ -33,12 +33,12 @@ from mlxspec.converters.hf import load_checkpoint  # noqa: E402
 from mlxspec.drafters.mtp import load_mtp_drafter as load_mlx_mtp  # noqa: E402
 from mlxspec.drafters.mtp import read_model_config  # noqa: E402
 from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens  # noqa: E402
-from mlxspec.mlx_backend import MLXTarget  # noqa: E402
+from mlxspec.backends.mlx.target import MLXTarget  # noqa: E402
 from mlxspec.models.mtp import read_mtp_tensors  # noqa: E402
 from mlxspec.sampling import SamplingConfig  # noqa: E402
-from mlxspec.torch_backend import TorchTarget  # noqa: E402
-from mlxspec.torch_backend.loading import load_causal_lm  # noqa: E402
-from mlxspec.torch_backend.mtp import (  # noqa: E402
+from mlxspec.backends.torch import TorchTarget  # noqa: E402
+from mlxspec.backends.torch.loading import load_causal_lm  # noqa: E402
+from mlxspec.backends.torch.mtp import (  # noqa: E402
     TorchMTPDrafter,
     build_mtp_model,
     load_mtp_drafter,

@@ -26,17 +26,17 @@ transformers = pytest.importorskip("transformers", reason="the torch backend nee
 import mlxspec  # noqa: E402
 from mlxspec.drafters.lookup import PromptLookupDrafter  # noqa: E402
 from mlxspec.engine import SpecStats, speculative_tokens  # noqa: E402
-from mlxspec.mlx_backend import MLXTarget  # noqa: E402
+from mlxspec.backends.mlx.target import MLXTarget  # noqa: E402
 from mlxspec.sampling import SamplingConfig  # noqa: E402
-from mlxspec.torch_backend import TorchTarget  # noqa: E402
-from mlxspec.torch_backend.sampling import categorical, processed_logprobs  # noqa: E402
-from mlxspec.torch_backend.target import cache_argument, make_cache, tree_attention  # noqa: E402
-from mlxspec.torch_backend.tree_acceptance import (  # noqa: E402
+from mlxspec.backends.torch import TorchTarget  # noqa: E402
+from mlxspec.backends.torch.sampling import categorical, processed_logprobs  # noqa: E402
+from mlxspec.backends.torch.target import cache_argument, make_cache, tree_attention  # noqa: E402
+from mlxspec.backends.torch.tree_acceptance import (  # noqa: E402
     DeviceTree,
     accept_tree_greedy,
     accept_tree_sampled,
 )
-from mlxspec.tree_pass import attention_modules, tree_pass  # noqa: E402
+from mlxspec.backends.mlx.tree_pass import attention_modules, tree_pass  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("MLXSPEC_TORCH_DEVICE", "cpu"))
 GREEDY = SamplingConfig()
@@ -237,7 +237,7 @@ def test_a_rule_without_the_residual_fails_the_same_test(sampled):
 
 def test_greedy_tree_acceptance_equals_mlx():
     """Random logits and trees: the same accepted depth, next token and path as MLX's rule."""
-    from mlxspec.tree_acceptance import accept_tree_greedy as mlx_greedy
+    from mlxspec.backends.mlx.tree_acceptance import accept_tree_greedy as mlx_greedy
 
     rng = np.random.default_rng(4)
     for shape in (SHAPE, table_trees.BINARY, table_trees.UNEVEN):

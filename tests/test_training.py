@@ -20,7 +20,7 @@ from mlxspec.drafters.dflash import (
     target_head,
 )
 from mlxspec.engine import Drafter, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
+from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
 from mlxspec.sampling import SamplingConfig
 from mlxspec.training.data import SequenceStore, greedy_response, load_examples, split_heldout

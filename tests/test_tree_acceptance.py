@@ -17,7 +17,7 @@ from scipy import stats as scipy_stats
 
 from mlxspec.sampling import SamplingConfig
 from mlxspec.tree import TreeShape, best_first_tree
-from mlxspec.tree_acceptance import accept_tree_greedy, accept_tree_sampled
+from mlxspec.backends.mlx.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 3000
 SAMPLING = SamplingConfig(temp=1.0)

@@ -14,10 +14,11 @@ from scipy import stats as scipy_stats
 from tiny_models import tiny_llama, tiny_qwen3_next
 
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
-from mlxspec.mlx_backend import MLXTarget
-from mlxspec.sampling import SamplingConfig, processed_logprobs
+from mlxspec.backends.mlx.target import MLXTarget
+from mlxspec.sampling import SamplingConfig
+from mlxspec.backends.mlx.sampling import processed_logprobs
 from mlxspec.tree import TreeShape
-from mlxspec.tree_pass import attention_modules, tree_pass
+from mlxspec.backends.mlx.tree_pass import attention_modules, tree_pass
 
 VOCAB, N = 24, 14
 SHAPE = TreeShape((0, 0, 0, 1, 1, 4, 2, 6))  # 3 children at the root, depth 4 under the first
@@ -186,7 +187,7 @@ def test_sampled_trees_keep_the_target_distribution(small_target, sampled):
 def test_a_biased_tree_rule_fails_the_same_test(small_target, monkeypatch):
     """The engine-level test has power: a rule that draws the next token from the target's q
     where the branch ends, not from what the rejections left of it, is caught."""
-    import mlxspec.mlx_backend as mlx_backend
+    import mlxspec.backends.mlx.target as mlx_backend
     from test_tree_acceptance import wrong_rule
 
     monkeypatch.setattr(mlx_backend, "accept_tree_sampled", wrong_rule)

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .link import DistributedError, Link
 from .ranks import Follower, LeaderTarget, cache_slot
-from ..hidden_states import decoder_layers
+from ..backends.mlx.hidden_states import decoder_layers
 from .stage import (SHARDINGS, Stage, check_caches_per_layer, layer_split, split_pipeline,
                     split_tensors)
 
@@ -45,7 +45,7 @@ def split_model(model, sharding: str, group) -> Stage:
     """Split a lazily loaded model for this rank and read only its own weights."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..mlx_backend import is_recurrent, state_mixers, untrimmable_caches
+    from ..backends.mlx.target import is_recurrent, state_mixers, untrimmable_caches
 
     caches = make_prompt_cache(model)
     recurrent = [c for c in caches if is_recurrent(c)]

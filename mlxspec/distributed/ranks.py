@@ -86,7 +86,7 @@ class Follower:
 
     def follow(self) -> bool:
         """Follow one generation, from its BEGIN to its END; False at SHUTDOWN."""
-        from ..mlx_backend import MLXTarget
+        from ..backends.mlx.target import MLXTarget
 
         message = self.link.receive()
         if message.op in (SHUTDOWN, END):  # END: rank 0 failed before it began
@@ -116,7 +116,7 @@ class Follower:
 
     def _cache(self, slot: int, held: int) -> list:
         """Slot's kept cache cut back to the `held` positions rank 0 kept, or a fresh one."""
-        from ..mlx_backend import cache_offset
+        from ..backends.mlx.target import cache_offset
 
         cache = self.caches.get(slot) if held else None
         if held and cache is None:  # never prefill on top of positions this rank lacks

@@ -11,7 +11,7 @@ layers then all-sum their outputs; every rank runs every layer.
 
 Either way the model class is mlx-lm's, run through its own forward: for one call the first and
 last layers of a rank's range are wrapped to receive the previous rank's hidden states and send
-its own on (mx.distributed.recv / send), as mlxspec.hidden_states wraps layers to capture their
+its own on (mx.distributed.recv / send), as mlxspec.backends.mlx.hidden_states wraps layers to capture their
 outputs. Features a drafter reads (DFlash, EAGLE-3) travel with the hidden states down the
 pipeline, so rank 0 holds them all when the pass ends, without another round trip.
 """
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..hidden_states import _Recorder, concat_features, decoder_layers
+from ..backends.mlx.hidden_states import _Recorder, concat_features, decoder_layers
 
 SHARDINGS = ("pipeline", "tensor")
 
@@ -210,7 +210,7 @@ def split_tensors(model, group, caches: list) -> Stage:
         raise ValueError(f"mlx-lm has no tensor-parallel sharding for "
                          f"{getattr(model, 'model_type', type(model).__module__)!r}; "
                          f"use --shard pipeline")
-    from ..mlx_backend import model_setting
+    from ..backends.mlx.target import model_setting
 
     n = group.size()
     sizes = {name: model_setting(model, name) for name in

@@ -1,7 +1,7 @@
 """Drafters: sources of draft tokens, all verified by the one loop in `mlxspec.engine`."""
 
+from ..backends import backend_for
 from ..engine import Drafter, PlainDecoding
-from ..loading import backend_of
 from .draft_model import DraftModelDrafter
 from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
@@ -31,7 +31,7 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
     A transformers `model` (the torch backend) gets the torch twins of the model drafters.
     """
     entry = drafter_kind(kind)
-    backend = backend_of(model)
+    backend = backend_for(model).name
     if backend not in entry.factories:
         raise ValueError(f"the {kind} drafter does not run on the {backend} backend")
     checkpoint = entry.checkpoint
@@ -56,9 +56,10 @@ def resolve_drafter(drafter, *, model, tokenizer) -> Drafter:
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a Drafter or a name, got {type(drafter).__name__}")
     owner = getattr(drafter, "backend", None)  # set by the torch drafters
-    if owner is not None and owner != backend_of(model):
+    backend = backend_for(model).name
+    if owner is not None and owner != backend:
         raise ValueError(
             f"the {drafter.name} drafter was built for the {owner} backend, the target model is "
-            f"a {backend_of(model)} model"
+            f"a {backend} model"
         )
     return drafter

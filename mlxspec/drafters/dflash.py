@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ..hidden_states import decoder_layers
+from ..backends.mlx.hidden_states import decoder_layers
 from ..models.dflash import (
     DFlashConfig,
     DFlashModel,

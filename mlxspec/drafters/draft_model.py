@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..engine import Draft, Drafter, Verdict, common_prefix_length
-from ..mlx_backend import untrimmable_caches
+from ..backends.mlx.target import untrimmable_caches
 from ..rollback import (
     attention_trimmable,
     is_recurrent,
@@ -24,7 +24,8 @@ from ..rollback import (
     snapshot,
     trim_attention,
 )
-from ..sampling import SamplingConfig, processed_logprobs
+from ..sampling import SamplingConfig
+from ..backends.mlx.sampling import processed_logprobs
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int):

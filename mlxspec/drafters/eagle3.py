@@ -4,10 +4,10 @@ The chain, the tree and their bookkeeping are drafters/paired.py's, shared with 
 this module sets them up from an EAGLE-3 checkpoint: the target layers it reads, its feature
 width, its draft vocabulary (d2t), and its default chain length. Eagle3Drafting is the host
 side for both backends; Eagle3Drafter adds MLX's tensor math,
-mlxspec.torch_backend.eagle3.TorchEagle3Drafter torch's.
+mlxspec.backends.torch.eagle3.TorchEagle3Drafter torch's.
 """
 
-from ..hidden_states import decoder_layers
+from ..backends.mlx.hidden_states import decoder_layers
 from .paired import (  # noqa: F401  (re-exported: the tree helpers' old home)
     MLXArrays,
     MLXPairedDrafting,

@@ -15,7 +15,7 @@ unused tensor are ignored. Only *.safetensors files are read.
 Every check raises one line: config against target (`check_against_target`) before the
 weights are read, then names and shapes, then d2t against the target's vocabulary.
 `read_checkpoint` runs them in that order for either backend, which brings only its tensors
-and its model (the torch one: mlxspec.torch_backend.eagle3).
+and its model (the torch one: mlxspec.backends.torch.eagle3).
 """
 
 from pathlib import Path
@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..backends import backend_for
 from ..checkpoint_checks import check_checkpoint_config
-from ..loading import backend_of
 from ..models.dflash import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Model
 from .dflash import _dtype_of, target_embedding, target_head, target_sizes
@@ -171,11 +171,7 @@ def check_checkpoint(path, model) -> None:
 def sizes_of(model):
     """What check_against_target reads of a target: an mlx-lm model itself, a transformers
     one through the torch backend's view of it."""
-    if backend_of(model) == "torch":
-        from ..torch_backend.dflash import _sizes_view
-
-        return _sizes_view(model)
-    return model
+    return backend_for(model).sizes_view(model)
 
 
 def read_checkpoint(path, target, *, read_tensors, build, is_integer):

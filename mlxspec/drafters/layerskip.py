@@ -14,10 +14,11 @@ checkpoints) accept far more. Drafts stay on the device, so a step still reads t
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..early_exit import early_forward, num_layers
+from ..backends.mlx.early_exit import early_forward, num_layers
 from ..engine import EMPTY_DRAFT, Draft, Drafter
-from ..mlx_backend import is_recurrent
-from ..sampling import SamplingConfig, processed_logprobs
+from ..backends.mlx.target import is_recurrent
+from ..sampling import SamplingConfig
+from ..backends.mlx.sampling import processed_logprobs
 
 # The exit layer as a share of the target's depth when none is given, chosen by measurement on
 # the default SmolLM2 target, which was not trained for early exit (docs/benchmarks.md,

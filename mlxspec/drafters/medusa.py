@@ -20,9 +20,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ..hidden_states import decoder_layers
+from ..backends.mlx.hidden_states import decoder_layers
 from ..models.medusa import check_checkpoint, load_heads
-from ..sampling import SamplingConfig, processed_logprobs
+from ..sampling import SamplingConfig
+from ..backends.mlx.sampling import processed_logprobs
 from .dflash import (
     best_first_draft,
     check_tree,

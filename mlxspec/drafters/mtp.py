@@ -14,9 +14,10 @@ module's processed distribution as p, so acceptance is the exact min(1, q/p) rul
 
 from pathlib import Path
 
+from ..backends import backend_for
+from ..backends.mlx.hidden_states import decoder_layers
 from ..file_checks import read_json_object, safetensors_names
-from ..hidden_states import decoder_layers
-from ..loading import SOURCE, backend_of
+from ..loading import SOURCE
 from ..models.mtp import (
     MTP_WEIGHTS,
     SHIPPING,
@@ -28,9 +29,11 @@ from ..models.mtp import (
 )
 from .paired import MLXPairedDrafting, PairedDrafting, check_tree_options
 
-# Model types whose MTP layout the torch backend builds (torch_backend/mtp.py): DeepSeek-V3's,
+# Model types whose MTP layout the torch backend builds (backends/torch/mtp.py): DeepSeek-V3's,
 # which GLM-4.5 ships too. transformers has no MTP for the Qwen families or MiMo.
 TORCH_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+# The backends that build only some layouts, by name (the MLX backend builds every family's).
+MODEL_TYPES_BY_BACKEND = {"torch": TORCH_MODEL_TYPES}
 
 
 class MTPDrafting(PairedDrafting):
@@ -108,9 +111,11 @@ def check_mtp_source(path, model) -> None:
         raise ValueError(
             f"the mtp drafter needs a target that ships multi-token-prediction layers "
             f"({SHIPPING}); {path} is a {model_type} model, which has none")
-    if backend_of(model) == "torch" and model_type not in TORCH_MODEL_TYPES:
+    backend = backend_for(model).name
+    covered = MODEL_TYPES_BY_BACKEND.get(backend)
+    if covered is not None and model_type not in covered:
         raise ValueError(
-            f"the torch backend's mtp drafter covers {', '.join(TORCH_MODEL_TYPES)} (DeepSeek-V3, "
+            f"the {backend} backend's mtp drafter covers {', '.join(covered)} (DeepSeek-V3, "
             f"GLM-4.5); {path} is a {model_type} model: use the MLX backend")
     if mtp_count(config) < 1:
         raise ValueError(

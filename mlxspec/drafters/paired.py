@@ -19,7 +19,7 @@ host once (the tree's shape depends on them); their entries are cut from the cac
 verification as a chain's steps are.
 
 PairedDrafting is the host side, for both backends; MLXPairedDrafting adds MLX's tensor math,
-mlxspec.torch_backend.eagle3's TorchArrays and drafters torch's.
+mlxspec.backends.torch.eagle3's TorchArrays and drafters torch's.
 """
 
 import math
@@ -28,7 +28,8 @@ import mlx.core as mx
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..generate import check_count
-from ..sampling import SamplingConfig, processed_logprobs
+from ..sampling import SamplingConfig
+from ..backends.mlx.sampling import processed_logprobs
 from .dflash import check_tree
 
 

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from ..backends import BACKENDS, backend_for
 from ..engine import Drafter, PlainDecoding
-from ..loading import BACKENDS, backend_of
 from .dflash import MAX_TREE_BUDGET
 from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
@@ -209,13 +209,27 @@ def model_drafters() -> list[DrafterKind]:
 def load_draft_model_drafter(path, *, model, tokenizer, **options):
     """A smaller model with the target's tokenizer (a converted directory, a .gguf file or a Hugging
     Face repo id); `options` go to `mlxspec.load`."""
+    from ..backends.mlx.target import vocab_size
     from ..loading import load
-    from ..mlx_backend import vocab_size
     from .draft_model import DraftModelDrafter, check_same_tokenizer
 
     draft_model, draft_tokenizer = load(path, **options)
     check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
     return DraftModelDrafter(draft_model)
+
+
+def load_torch_draft_model_drafter(path, *, model, tokenizer, **options):
+    """The draft-model drafter for a transformers target `model`: a model with the target's
+    tokenizer, on the target's device and in its dtype."""
+    from ..backends.torch import TorchDraftModelDrafter, load, model_device, vocab_size
+    from ..loading import check_model_dir, resolve_model_dir
+    from .draft_model import check_same_tokenizer
+
+    draft_dir = resolve_model_dir(path, **options)
+    check_model_dir(draft_dir)
+    draft_model, draft_tokenizer = load(draft_dir, device=model_device(model), dtype=model.dtype)
+    check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
+    return TorchDraftModelDrafter(draft_model)
 
 
 def check_dflash_checkpoint(path, model) -> None:
@@ -224,11 +238,8 @@ def check_dflash_checkpoint(path, model) -> None:
     from ..models.dflash import DFlashConfig, read_config
     from .dflash import check_against_target
 
-    if backend_of(model) == "torch":
-        from ..torch_backend.dflash import _sizes_view
-
-        model = _sizes_view(model)
-    check_against_target(DFlashConfig.from_dict(read_config(resolve_hf_source(path))), model)
+    config = DFlashConfig.from_dict(read_config(resolve_hf_source(path)))
+    check_against_target(config, backend_for(model).sizes_view(model))
 
 
 def shipped(kind: str) -> Callable[[Any], Any]:
@@ -236,14 +247,11 @@ def shipped(kind: str) -> Callable[[Any], Any]:
     None (drafters/trained/*/target.json says which kind and target each one is)."""
 
     def find(model):
-        from .dflash import find_shipped_drafter, shipped_drafter_for
+        from .dflash import find_shipped_drafter
 
-        if backend_of(model) == "mlx":
-            return shipped_drafter_for(model, kind)
-        config = model.config
-        sizes = (config.hidden_size, config.vocab_size, config.num_hidden_layers)
-        weight = model.get_input_embeddings().weight
-        return find_shipped_drafter(sizes, lambda: float(weight[:8].float().sum().item()), kind)
+        backend = backend_for(model)
+        return find_shipped_drafter(backend.target_sizes(model),
+                                    lambda: backend.embedding_checksum(model), kind)
 
     return find
 
@@ -273,13 +281,13 @@ register(DrafterKind(
 register(DrafterKind(
     "draft",
     {"mlx": load_draft_model_drafter,
-     "torch": lazy("mlxspec.torch_backend", "load_draft_model_drafter")},
+     "torch": load_torch_draft_model_drafter},
     checkpoint=Checkpoint("a draft model path"),
 ))
 register(DrafterKind(
     "dflash",
     {"mlx": lazy("mlxspec.drafters.dflash", "load_dflash_drafter"),
-     "torch": lazy("mlxspec.torch_backend.dflash", "load_dflash_drafter")},
+     "torch": lazy("mlxspec.backends.torch.dflash", "load_dflash_drafter")},
     options=(
         DrafterOption(
             "block_size", "--block-size", type=int,
@@ -303,7 +311,7 @@ register(DrafterKind(
 register(DrafterKind(
     "eagle3",
     {"mlx": lazy("mlxspec.drafters.eagle3", "load_eagle3_drafter"),
-     "torch": lazy("mlxspec.torch_backend.eagle3", "load_eagle3_drafter")},
+     "torch": lazy("mlxspec.backends.torch.eagle3", "load_eagle3_drafter")},
     options=(TREE_BUDGET, TREE_WIDTH),
     checkpoint=Checkpoint(
         "an EAGLE-3 drafter checkpoint trained for this target (speculators or SpecForge/SGLang "
@@ -317,7 +325,7 @@ register(DrafterKind(
 register(DrafterKind(
     "mtp",
     {"mlx": lazy("mlxspec.drafters.mtp", "load_mtp_drafter"),
-     "torch": lazy("mlxspec.torch_backend.mtp", "load_mtp_drafter")},
+     "torch": lazy("mlxspec.backends.torch.mtp", "load_mtp_drafter")},
     options=(TREE_BUDGET, TREE_WIDTH),
     checkpoint=Checkpoint(
         "the target's own checkpoint directory, with the multi-token-prediction weights it ships",

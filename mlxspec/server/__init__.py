@@ -10,18 +10,13 @@ make_server does not bind an address: whoever runs its app beyond loopback calls
 check_exposure(host, api_key) first, as `mlxspec serve` does (no key there is refused).
 """
 
-from ..loading import MissingExtraError
+from ..extras import require
 from .guards import check_exposure
 from .requests import DEFAULT_MAX_NUM_DRAFT
 
 
 def _require_server_extra() -> None:
-    import importlib.util
-
-    for name in ("starlette", "uvicorn"):
-        if importlib.util.find_spec(name) is None:
-            raise MissingExtraError(f"mlxspec serve needs {name}, which is not installed: "
-                                    "pip install 'mlxspec[server]'", name=name)
+    require(("starlette", "uvicorn"), "mlxspec serve", "server")
 
 
 def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, model_id="model",
@@ -37,7 +32,7 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     check_count("max_num_draft", max_num_draft)
     from ..drafters import LookupFirstDrafter, PromptLookupDrafter, load_drafter
     from ..engine import PlainDecoding
-    from ..generate import BACKEND_PARTS, resolve_backend
+    from ..backends import backend_for
     from .app import Server
 
     def build_drafters() -> dict:
@@ -52,7 +47,7 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
                 drafters[f"{drafter}+lookup"] = LookupFirstDrafter(loaded)
         return drafters
 
-    parts = BACKEND_PARTS[resolve_backend(model, None)]()
+    parts = backend_for(model)
     return Server(model, tokenizer, model_id=model_id, build_drafters=build_drafters,
                   default_drafter=drafter, api_key=api_key, max_queue=max_queue,
                   context_length=parts.context_length(model), render_timeout=render_timeout,

@@ -128,11 +128,11 @@ class Worker:
     def __init__(self, model, tokenizer, build_drafters: Callable[[], dict[str, Drafter]],
                  default_drafter: str, *, max_queue: int = 64, on_finish=None,
                  cache_slots: int = 4):
-        from ..generate import BACKEND_PARTS, resolve_backend
+        from ..backends import backend_for
         from .cache_pool import PromptCachePool
 
         self.model, self.tokenizer = model, tokenizer
-        make_cache = BACKEND_PARTS[resolve_backend(model, None)]().prompt_cache
+        make_cache = backend_for(model).prompt_cache
         self.caches = PromptCachePool(make_cache, slots=cache_slots) if cache_slots else None
         self.default_drafter = default_drafter
         self.max_queue, self.on_finish = max_queue, on_finish

@@ -297,7 +297,7 @@ class SequenceStore:
 def greedy_response(model, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """The target's greedy continuation (end token included when reached), by the plain loop."""
     from ..engine import PlainDecoding, SpecStats, speculative_tokens
-    from ..mlx_backend import MLXTarget
+    from ..backends.mlx.target import MLXTarget
     from ..sampling import SamplingConfig
 
     out = []

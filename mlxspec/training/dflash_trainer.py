@@ -43,7 +43,7 @@ from ..drafters.dflash import (
     target_head,
     target_sizes,
 )
-from ..hidden_states import capture_layer_outputs, concat_features, decoder_layers
+from ..backends.mlx.hidden_states import capture_layer_outputs, concat_features, decoder_layers
 from ..models.dflash import (
     ARCHITECTURE,
     DRAFT_VOCAB_FILE,
@@ -451,7 +451,7 @@ def write_draft_vocab(out: Path, token_ids) -> None:
 
 class MLXDFlashTraining(MLXTraining):
     """DFlash's training math on MLX: features, and one sequence's block loss.
-    (The torch twin is mlxspec.torch_backend.dflash_training; the loop is training.run.train.)"""
+    (The torch twin is mlxspec.backends.torch.dflash_training; the loop is training.run.train.)"""
 
     def __init__(self, target, args: DFlashConfig, weights: dict, *, schedule, weight_decay,
                  grad_clip, gamma, loss_ids, inv_scale, labels="text"):
@@ -500,7 +500,7 @@ def features_batch(target, sequences: list[list[int]], layer_ids, inv_scale, tar
     if feature_target is None:
         return [sequence_features(target, tokens, layer_ids, inv_scale, target_labels)
                 for tokens in sequences]
-    from ..torch_backend.dflash_training import target_features_batch
+    from ..backends.torch.dflash_training import target_features_batch
 
     feats, predicted = target_features_batch(feature_target, sequences, layer_ids,
                                              predictions=target_labels)
@@ -596,7 +596,7 @@ class DFlashRecipe(Recipe):
     def math(self, target, config, weights, **options):
         args = DFlashConfig.from_dict(config)
         if self.backend == "torch":
-            from ..torch_backend.dflash_training import TorchDFlashTraining
+            from ..backends.torch.dflash_training import TorchDFlashTraining
 
             return TorchDFlashTraining(self.torch_target, args, weights, device=self.device,
                                        gamma=self.gamma, **options)

@@ -30,7 +30,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..drafters.dflash import target_embedding, target_final_norm, target_head, target_sizes
 from ..drafters.eagle3 import Eagle3Drafter
-from ..hidden_states import decoder_layers
+from ..backends.mlx.hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
 from .dflash_trainer import features_batch, head_weight
 from .run import (

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..drafters.dflash import target_head, target_sizes
 from ..drafters.medusa import MedusaDrafter
-from ..hidden_states import decoder_layers
+from ..backends.mlx.hidden_states import decoder_layers
 from ..models.medusa import WEIGHTS, MedusaHeads, parameter_name, published_weights
 from .dflash_trainer import features_batch, head_weight
 from .eagle3_trainer import answer_labels, label_map_of

@@ -444,7 +444,7 @@ def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfl
 def torch_features(torch_target):
     """`train`'s raw_features from a torch copy of the target (the feature scale is then measured
     on the features the training steps will see)."""
-    from ..torch_backend.dflash_training import target_features
+    from ..backends.torch.dflash_training import target_features
 
     return lambda tokens, layers: mx.array(
         target_features(torch_target, tokens, layers)[0].cpu().numpy())
@@ -460,7 +460,7 @@ def heldout_tau(target, drafter, prompts: list[list[int]], *, tokenizer=None,
     """
     from ..engine import SpecStats, speculative_tokens
     from ..generate import stream_generate
-    from ..mlx_backend import MLXTarget
+    from ..backends.mlx.target import MLXTarget
     from ..sampling import SamplingConfig
 
     num_draft = num_draft or drafter.default_num_draft

@@ -30,14 +30,15 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from ..drafters.eagle3 import Eagle3Drafting, check_tree_options
-from ..drafters.eagle3_loading import read_checkpoint, sizes_of, use_target_parts
-from ..drafters.paired import PairedDrafting
-from ..models.eagle3 import Eagle3Config
-from ..sampling import SamplingConfig
+from ...drafters.eagle3 import Eagle3Drafting, check_tree_options
+from ...drafters.eagle3_loading import read_checkpoint, sizes_of, use_target_parts
+from ...drafters.paired import PairedDrafting
+from ...models.eagle3 import Eagle3Config
+from ...sampling import SamplingConfig
 from .dflash import _WeightHead, block_mask, read_weights
 from .sampling import categorical, processed_logprobs
-from .target import additive, cache_length, crop, decoder_layers, host_tokens, model_device
+from .target import additive, cache_length, crop, decoder_layers, model_device
+from .transfer import host_tokens
 
 
 def layer_config(args: Eagle3Config) -> LlamaConfig:

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from ...tree import TreeShape
 from .hidden_states import instance_attributes
-from .tree import TreeShape
 
 
 def holds_trees(cache: list) -> bool:

@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafters.dflash import check_against_target, check_block_size, check_tree
-from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ..file_checks import check_safetensors
-from ..models.dflash import DFlashConfig, read_config, read_draft_vocab
-from ..sampling import SamplingConfig
-from ..tree import best_first_drafts
-from .target import decoder_layers, host_tokens, model_device
+from ...drafters.dflash import check_against_target, check_block_size, check_tree
+from ...engine import EMPTY_DRAFT, Draft, Drafter, Verdict
+from ...file_checks import check_safetensors
+from ...models.dflash import DFlashConfig, read_config, read_draft_vocab
+from ...sampling import SamplingConfig
+from ...tree import best_first_drafts
+from .target import decoder_layers, model_device
+from .transfer import host_tokens
 
 
 class RMSNorm(nn.Module):
@@ -445,7 +446,7 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     check_tree(tree_budget, tree_width)
     path = Path(path).expanduser()
     if not path.is_dir():
-        from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
+        from ...converters.hf import resolve_hf_source  # repo ids, through the Hub cache
 
         path = resolve_hf_source(str(path))
     args = DFlashConfig.from_dict(read_config(path))

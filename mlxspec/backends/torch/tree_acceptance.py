@@ -1,4 +1,4 @@
-"""Acceptance of a tree of drafts in torch: mlxspec.tree_acceptance's rules, returning what it
+"""Acceptance of a tree of drafts in torch: mlxspec.backends.mlx.tree_acceptance's rules, returning what it
 returns (accepted depth, next token, the branch's path from the root), so that a torch pass packs
 the same result and Pass.verdict() reads either backend's.
 
@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import TreeShape
+from ...sampling import SamplingConfig
+from ...tree import TreeShape
 from .acceptance import normalised
 from .sampling import categorical, processed_logprobs
+from .transfer import host_tokens
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,6 @@ class DeviceTree:
     @classmethod
     def of(cls, shape: TreeShape, device: torch.device) -> "DeviceTree":
         """Copied in one host-to-device transfer (one per step, queued without a sync)."""
-        from .target import host_tokens  # target.py imports this module
-
         width = max(map(len, shape.children), default=0) or 1
         table = [n for kids in shape.children for n in kids + (-1,) * (width - len(kids))]
         size = shape.size + 1
@@ -42,7 +41,7 @@ class DeviceTree:
 
 def _path_to(node: torch.Tensor, tree: DeviceTree) -> torch.Tensor:
     """Nodes from the root to `node` (a 1-element tensor), left-padded with the root to
-    max_depth + 1 entries, as mlxspec.tree_acceptance lays a path out."""
+    max_depth + 1 entries, as mlxspec.backends.mlx.tree_acceptance lays a path out."""
     path = [node]
     for _ in range(tree.shape.max_depth):
         path.append(tree.parents[path[-1]])
@@ -68,7 +67,7 @@ def accept_tree_greedy(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceT
 def accept_tree_sampled(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceTree,
                         draft_probs: torch.Tensor | None, sampling: SamplingConfig):
     """Multi-candidate speculative sampling over a tree (SpecInfer), as
-    mlxspec.tree_acceptance.accept_tree_sampled: at each node its children are tried in order; a
+    mlxspec.backends.mlx.tree_acceptance.accept_tree_sampled: at each node its children are tried in order; a
     child x drawn from the drafter's p (row `draft_probs[node]`) is kept with probability
     min(1, q(x) / p(x)), else q becomes normalise(max(0, q - p)); with `draft_probs` None the
     children are deterministic, x is kept with probability q(x), else removed from q. The next

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._blas import openblas_single_thread
-from ..models.dflash import DFlashConfig
-from ..training.dflash_trainer import training_mask
+from ..._blas import openblas_single_thread
+from ...models.dflash import DFlashConfig
+from ...training.dflash_trainer import training_mask
 from .dflash import DFlashModel
 from .target import capture_layer_outputs, decoder_layers, model_device
 
@@ -252,7 +252,7 @@ class TorchDFlashTraining:
 
     def save_optimizer(self, state_dir: Path) -> None:
         """AdamW moments by parameter name, as safetensors (never a pickle)."""
-        from ..training.data import _atomic_save_safetensors
+        from ...training.data import _atomic_save_safetensors
 
         arrays = {"__steps__": mx.array([self.steps_done])}
         for name, p in self.model.named_parameters():

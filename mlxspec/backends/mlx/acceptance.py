@@ -6,7 +6,8 @@ form one graph evaluated once per step.
 
 import mlx.core as mx
 
-from .sampling import SamplingConfig, processed_logprobs
+from ...sampling import SamplingConfig
+from .sampling import processed_logprobs
 
 
 def _leading_true(mask: mx.array) -> mx.array:

@@ -5,16 +5,17 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
+from ...distributed import stage_of
+from ...engine import Draft, Pass, Verdict
+from ...prompt_cache import KeptCache
+from ...rollback import is_recurrent, recurrent_layers, restore, snapshot, trim_attention
+from ...sampling import SamplingConfig
+from ...tree import TreeShape
 from .acceptance import accept_greedy, accept_sampled
-from .distributed import stage_of
 from .early_exit import late_forward
-from .engine import Draft, Pass, Verdict
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
-from .prompt_cache import KeptCache
-from .rollback import is_recurrent, recurrent_layers, restore, snapshot, trim_attention
-from .sampling import SamplingConfig, reported_logprobs, sample_token
+from .sampling import reported_logprobs, sample_token
 from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
-from .tree import TreeShape
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from .tree_pass import attention_modules, holds_trees, keep_branch, tree_pass
 
@@ -125,7 +126,7 @@ class MLXTarget:
         self._recurrent = recurrent_layers(self.cache)
         self._mixers = state_mixers(model) if self._recurrent else []
         # Where the recurrence runs position by position anyway, Gated DeltaNet layers keep every
-        # position's state during the pass and a rollback selects (mlxspec.state_tape).
+        # position's state during the pass and a rollback selects (mlxspec.backends.mlx.state_tape).
         self._taped = [] if fused_kernel_would_run() else tape_modules(
             [getattr(layer, name) for layer, name in self._mixers])
         self._last_pass = None  # (states before it, its input tokens, mixer replays, tape)

@@ -6,7 +6,7 @@ starts at layer E from hidden states the early half already computed: layers 0..
 aside and layer E-1 returns those states, so only layers E.. run, and the embedding, whose output
 nothing reads, is never evaluated (MLX evaluates only what an output depends on). No model class
 is copied: the stand-ins replace entries of the model's layer list for one call and are removed
-in a `finally`, as mlxspec.hidden_states' recorders are.
+in a `finally`, as mlxspec.backends.mlx.hidden_states' recorders are.
 
 Each half extends only its own layers' caches. The late half is given the late layers' view of
 the cache in the early slots too, so the mask the model builds from its first cache sees the

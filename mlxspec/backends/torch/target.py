@@ -1,6 +1,6 @@
 """The torch target: a transformers causal LM and its DynamicCache, for the shared loop.
 
-Same contract as mlxspec.mlx_backend.MLXTarget: prefill all but the pending token, verify
+Same contract as mlxspec.backends.mlx.target.MLXTarget: prefill all but the pending token, verify
 [pending, drafts] in one forward pass, accept on the device, read one packed tensor back to the
 host, crop the cache to the committed tokens. Hybrid models (Qwen3-Next, Qwen3.5) also hold
 linear-attention layers whose state each pass overwrites: a rejection restores it from a copy
@@ -19,23 +19,14 @@ from typing import Sequence
 
 import torch
 
-from ..engine import Draft, Pass, Verdict
-from ..prompt_cache import KeptCache
-from ..sampling import SamplingConfig
-from ..tree import TreeShape
+from ...engine import Draft, Pass, Verdict
+from ...prompt_cache import KeptCache
+from ...sampling import SamplingConfig
+from ...tree import TreeShape
 from .acceptance import accept_greedy, accept_sampled
 from .sampling import reported_logprobs, sample_token
+from .transfer import host_tokens
 from .tree_acceptance import DeviceTree, accept_tree_greedy, accept_tree_sampled
-
-
-def host_tokens(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Host token ids as a device tensor without stalling on queued GPU work: a plain
-    `torch.tensor(..., device="cuda")` waits for the stream (an implicit sync per step); a pinned
-    buffer copied asynchronously does not (the caching host allocator keeps it alive)."""
-    tensor = torch.tensor(list(values), dtype=torch.long)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def context_length(model) -> int | None:
@@ -167,7 +158,7 @@ def keep_branch(cache, pending_at: int, branch: list[int], device: torch.device)
 
 def committed_scores(logits, drafts, scored_at, next_row, next_token, sampling: SamplingConfig,
                      top_n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """mlxspec.mlx_backend.committed_scores in torch, with no host sync: (top ids, values, n).
+    """mlxspec.backends.mlx.target.committed_scores in torch, with no host sync: (top ids, values, n).
     `next_row` and `next_token` are 1-element tensors (a 0-d index would be read to the host)."""
     dist = reported_logprobs(logits, sampling)  # (rows, V)
     values = [dist[scored_at, drafts], dist[next_row, next_token]]
@@ -213,7 +204,7 @@ def _first(output):
 @contextmanager
 def capture_layer_outputs(model, layer_ids):
     """Yield a list that, after the forward pass, holds the outputs of `layer_ids` in order
-    (before the final norm, as mlxspec.hidden_states captures them). Hooks live for one call:
+    (before the final norm, as mlxspec.backends.mlx.hidden_states captures them). Hooks live for one call:
     the caller's model is never left altered and plain decoding pays nothing."""
     if not layer_ids:
         yield []

@@ -3,14 +3,15 @@
 A tree verifies several continuations in one pass: node 0 is the pending token, nodes 1..N are
 drafts, each with a parent of lower index (so a pass can list them in order and a node's logits
 row is the target's distribution after the path to it). A chain is the tree whose parents are
-0, 1, ..., K-1. Both rules are lazy device math, like the chain's (mlxspec.acceptance): a step
+0, 1, ..., K-1. Both rules are lazy device math, like the chain's (mlxspec.backends.mlx.acceptance): a step
 still reads back one packed array.
 """
 
 import mlx.core as mx
 
-from .sampling import SamplingConfig, processed_logprobs
-from .tree import TreeShape
+from ...sampling import SamplingConfig
+from ...tree import TreeShape
+from .sampling import processed_logprobs
 
 
 def device_arrays(shape: TreeShape):

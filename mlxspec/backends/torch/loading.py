@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..file_checks import one_line, read_json_object
+from ...file_checks import one_line, read_json_object
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -127,9 +127,16 @@ def load_causal_lm(model_dir: Path, *, device: torch.device, dtype: torch.dtype)
     return model.to(device).eval()
 
 
+def loader(device=None, dtype=None):
+    """The torch backend's loader (see mlxspec.backends.Backend.loader): a missing CUDA fails
+    here, before a model is resolved or converted."""
+    device = resolve_device(device)
+    return lambda model_dir: load(model_dir, device=device, dtype=dtype)
+
+
 def load(model_dir: Path, *, device=None, dtype=None):
     """(transformers model, mlx-lm TokenizerWrapper) for a converted model directory."""
-    from ..checkpoint_checks import load_tokenizer
+    from ...checkpoint_checks import load_tokenizer
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..drafters.mtp import MTPDrafting, check_mtp_source, read_model_config
-from ..drafters.paired import check_tree_options
-from ..file_checks import one_line
-from ..models.mtp import family_of, module_tensors, mtp_count, read_mtp_tensors, text_config
+from ...drafters.mtp import MTPDrafting, check_mtp_source, read_model_config
+from ...drafters.paired import check_tree_options
+from ...file_checks import one_line
+from ...models.mtp import family_of, module_tensors, mtp_count, read_mtp_tensors, text_config
 from .dflash import block_mask
 from .eagle3 import TorchPairedDrafting
 from .target import additive, cache_argument, crop, decoder_layers, model_device

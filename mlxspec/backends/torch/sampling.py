@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ..sampling import SamplingConfig
+from ...sampling import SamplingConfig
 
 
 def apply_top_p(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -53,7 +53,7 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.
 
 
 def reported_logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """mlxspec.sampling.reported_logprobs: q when sampling, the raw log-softmax when greedy."""
+    """mlxspec.backends.mlx.sampling.reported_logprobs: q when sampling, the raw log-softmax when greedy."""
     if not sampling.greedy:
         return processed_logprobs(logits, sampling)
     return torch.log_softmax(logits.float(), dim=-1)

@@ -8,18 +8,18 @@ and the target's verification are read back once, by the target.
 
 import torch
 
-from ..engine import Draft, Drafter, Verdict, common_prefix_length
-from ..sampling import SamplingConfig
+from ...engine import Draft, Drafter, Verdict, common_prefix_length
+from ...sampling import SamplingConfig
 from .sampling import categorical, processed_logprobs
 from .target import (
     cache_argument,
     cache_length,
     can_crop,
     crop,
-    host_tokens,
     make_cache,
     model_device,
 )
+from .transfer import host_tokens
 
 
 class TorchDraftModelDrafter(Drafter):

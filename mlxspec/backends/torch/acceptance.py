@@ -1,4 +1,4 @@
-"""Acceptance rules in torch: the same rules as mlxspec.acceptance, tensor for tensor.
+"""Acceptance rules in torch: the same rules as mlxspec.backends.mlx.acceptance, tensor for tensor.
 
 Nothing here reads a value back to the host (indexing by a device scalar goes through gather /
 index_select), so drafting, verification and acceptance cost one sync per step.
@@ -6,7 +6,7 @@ index_select), so drafting, verification and acceptance cost one sync per step.
 
 import torch
 
-from ..sampling import SamplingConfig
+from ...sampling import SamplingConfig
 from .sampling import categorical, processed_logprobs
 
 
@@ -37,7 +37,7 @@ def accept_sampled(
     draft_probs: torch.Tensor | None,
     sampling: SamplingConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), as mlxspec.acceptance.
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), as mlxspec.backends.mlx.acceptance.
 
     Rule: accept draft x_i with probability min(1, q_i(x_i) / p_i(x_i)); at the first rejection
     draw from normalise(max(0, q_i - p_i)); if all K are accepted draw a bonus token from q_K.

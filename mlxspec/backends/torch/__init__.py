@@ -1,0 +1,78 @@
+"""The torch backend: the same loop (mlxspec.engine.speculative_tokens) over transformers models.
+
+Only reached through `mlxspec.load(..., backend="torch")` (or a transformers model handed to
+`stream_generate`), by way of its record in mlxspec.backends; importing this package imports
+torch, and nothing on the MLX path imports it.
+Targets are transformers causal LMs with a cropped DynamicCache; acceptance, the processed
+distribution q, the draft-model drafter and DFlash are torch twins of the MLX ones; prompt lookup
+works on host token lists and is shared.
+"""
+
+import torch
+
+from .dflash import TorchDFlashDrafter, load_dflash_drafter
+from .draft_model import TorchDraftModelDrafter
+from .loading import load, load_causal_lm, loader, resolve_device, resolve_dtype
+from .target import TorchPromptCache, TorchTarget, context_length, model_device
+
+__all__ = [
+    "TorchDFlashDrafter",
+    "TorchDraftModelDrafter",
+    "TorchPromptCache",
+    "TorchTarget",
+    "context_length",
+    "describe",
+    "embedding_checksum",
+    "load",
+    "load_dflash_drafter",
+    "loader",
+    "peak_memory_gb",
+    "run_steps",
+    "seed",
+    "target_sizes",
+    "vocab_size",
+]
+
+
+def vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def seed(value: int) -> None:
+    torch.manual_seed(value)  # every device's generator
+
+
+def peak_memory_gb(model) -> float:
+    """Peak memory of the model's CUDA device (0 on the CPU, which torch does not track)."""
+    device = model_device(model)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return 0.0
+
+
+def target_sizes(model) -> tuple[int, int, int]:
+    """(hidden size, vocab size, decoder layers) of a transformers model, from its config."""
+    config = model.config
+    return config.hidden_size, config.vocab_size, config.num_hidden_layers
+
+
+def embedding_checksum(model) -> float:
+    """Sum of the first 8 embedding rows, as the MLX backend's (mlxspec.drafters.dflash)."""
+    return float(model.get_input_embeddings().weight[:8].float().sum().item())
+
+
+def describe(model) -> str:
+    return f"torch: {model.device}, {str(model.dtype).replace('torch.', '')}"
+
+
+def run_steps(steps):
+    """Each step of a torch-backend loop with OpenBLAS on one thread (see
+    `_blas.openblas_single_thread`); restored between steps, so the caller's MLX code is not."""
+    from ..._blas import openblas_single_thread
+
+    while True:
+        with openblas_single_thread():
+            item = next(steps, None)
+        if item is None:
+            return
+        yield item
