@@ -170,7 +170,7 @@ def test_packaged_eagle3_drafter_is_found_for_its_target_and_kind_only(target, t
     the kind; `load_drafter("eagle3")` without a path finds it (and decodes losslessly), the
     DFlash lookup does not, nor does another target of the same shape."""
     import mlxspec
-    import mlxspec.drafters.dflash as dflash_module
+    import mlxspec.drafters.shipped as shipped_module
     from mlxspec.training.run import package_drafter
 
     _train(target, tmp_path / "run", steps=2)
@@ -179,7 +179,7 @@ def test_packaged_eagle3_drafter_is_found_for_its_target_and_kind_only(target, t
     assert weights["fc.weight"].dtype == mx.bfloat16 and weights["d2t"].dtype == mx.int64
     assert weights["t2d"].dtype == mx.bool_
     assert json.loads((dest / "target.json").read_text())["drafter"] == "eagle3"
-    monkeypatch.setattr(dflash_module, "TRAINED_DIR", tmp_path / "trained")
+    monkeypatch.setattr(shipped_module, "TRAINED_DIR", tmp_path / "trained")
     drafter = mlxspec.load_drafter("eagle3", model=target, tokenizer=None)
     assert drafter.model.fc.weight.dtype == mx.float32  # cast to the target's dtype
     for prompt in ([1, 2, 3], [9, 4, 4, 4, 17]):

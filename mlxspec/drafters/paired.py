@@ -29,7 +29,7 @@ import mlx.core as mx
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..generate import check_count
 from ..sampling import SamplingConfig, processed_logprobs
-from .dflash import check_tree
+from ..tree import check_tree
 
 
 class PairedDrafting(Drafter):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from ..engine import Drafter, PlainDecoding
 from ..loading import BACKENDS, backend_of
-from .dflash import MAX_TREE_BUDGET
+from ..tree import MAX_TREE_BUDGET
 from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
 
@@ -218,17 +218,24 @@ def load_draft_model_drafter(path, *, model, tokenizer, **options):
     return DraftModelDrafter(draft_model)
 
 
+def sizes_and_checksum(model):
+    """(TargetSizes, a function computing the embedding checksum) of an mlx-lm or a
+    transformers target: what a checkpoint is checked against and a shipped drafter found by."""
+    if backend_of(model) == "torch":
+        from ..torch_backend.target import embedding_checksum, target_sizes
+    else:
+        from ..target_parts import embedding_checksum, target_sizes
+    return target_sizes(model), lambda: embedding_checksum(model)
+
+
 def check_dflash_checkpoint(path, model) -> None:
     """A DFlash config against the target, on either backend, naming both sides."""
     from ..converters.hf import resolve_hf_source
     from ..models.dflash import DFlashConfig, read_config
-    from .dflash import check_against_target
+    from ..target_sizes import check_against_target
 
-    if backend_of(model) == "torch":
-        from ..torch_backend.dflash import _sizes_view
-
-        model = _sizes_view(model)
-    check_against_target(DFlashConfig.from_dict(read_config(resolve_hf_source(path))), model)
+    sizes, _ = sizes_and_checksum(model)
+    check_against_target(DFlashConfig.from_dict(read_config(resolve_hf_source(path))), sizes)
 
 
 def shipped(kind: str) -> Callable[[Any], Any]:
@@ -236,14 +243,9 @@ def shipped(kind: str) -> Callable[[Any], Any]:
     None (drafters/trained/*/target.json says which kind and target each one is)."""
 
     def find(model):
-        from .dflash import find_shipped_drafter, shipped_drafter_for
+        from .shipped import find_shipped_drafter
 
-        if backend_of(model) == "mlx":
-            return shipped_drafter_for(model, kind)
-        config = model.config
-        sizes = (config.hidden_size, config.vocab_size, config.num_hidden_layers)
-        weight = model.get_input_embeddings().weight
-        return find_shipped_drafter(sizes, lambda: float(weight[:8].float().sum().item()), kind)
+        return find_shipped_drafter(*sizes_and_checksum(model), kind)
 
     return find
 

@@ -34,15 +34,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..drafters.dflash import (
-    DFlashDrafter,
-    _target_inner,
-    check_against_target,
-    target_embedding,
-    target_final_norm,
-    target_head,
-    target_sizes,
-)
+from ..drafters.dflash import DFlashDrafter
 from ..hidden_states import capture_layer_outputs, concat_features, decoder_layers
 from ..models.dflash import (
     ARCHITECTURE,
@@ -54,6 +46,14 @@ from ..models.dflash import (
     draft_vocab_json,
     read_weights,
 )
+from ..target_parts import (
+    target_embedding,
+    target_final_norm,
+    target_head,
+    target_inner,
+    target_sizes,
+)
+from ..target_sizes import check_against_target
 from .data import _atomic_write_text, eos_ids
 from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from here by callers)
     FIT_HORIZON,
@@ -236,7 +236,7 @@ def target_features(target, tokens, layer_ids, *, predictions: bool = False):
     them (the last target layer's output after the final norm). Layers past the deepest id and
     the LM head are not run, unless `predictions`: then the whole target runs and the result is
     (features, (L,) greedy next-token predictions)."""
-    inner = _target_inner(target)
+    inner = target_inner(target)
     layers = decoder_layers(target)
     deepest = max(layer_ids)
     inputs = mx.array(tokens, dtype=mx.int32)[None]
@@ -551,7 +551,7 @@ class DFlashRecipe(Recipe):
         if self.start_from is not None:  # continue a trained drafter (its config wins)
             config = json.loads((self.start_from / "config.json").read_text())
             config["torch_dtype"] = "float32"
-            check_against_target(DFlashConfig.from_dict(config), target)
+            check_against_target(DFlashConfig.from_dict(config), target_sizes(target))
         else:
             _, vocab, _ = target_sizes(target)
             mask_id = self.mask_token_id if self.mask_token_id is not None \

@@ -28,10 +28,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..drafters.dflash import target_embedding, target_final_norm, target_head, target_sizes
 from ..drafters.eagle3 import Eagle3Drafter
 from ..hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
+from ..target_parts import target_embedding, target_final_norm, target_head, target_sizes
 from .dflash_trainer import features_batch, head_weight
 from .run import (
     MLXTraining,

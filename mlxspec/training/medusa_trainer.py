@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafters.dflash import target_head, target_sizes
 from ..drafters.medusa import MedusaDrafter
 from ..hidden_states import decoder_layers
 from ..models.medusa import WEIGHTS, MedusaHeads, parameter_name, published_weights
+from ..target_parts import target_head, target_sizes
 from .dflash_trainer import features_batch, head_weight
 from .eagle3_trainer import answer_labels, label_map_of
 from .run import (

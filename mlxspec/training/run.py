@@ -26,8 +26,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafters.dflash import target_embedding, target_sizes
 from ..generate import check_count
+from ..target_parts import embedding_checksum, target_embedding, target_sizes
 from .data import (
     SequenceStore,
     _atomic_save_safetensors,
@@ -417,7 +417,6 @@ def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfl
     any, and target.json, which names the drafter kind and the target it was trained for (sizes
     and embedding checksum) so that `--drafter KIND` finds it for that target only.
     `weights_file`: the checkpoint's tensors (Medusa's are medusa_lm_head.safetensors)."""
-    from ..drafters.dflash import embedding_checksum
     from ..models.dflash import DRAFT_VOCAB_FILE
 
     run_dir, dest = Path(run_dir), Path(dest)
