@@ -15,7 +15,7 @@ from mlxspec.engine import Drafter, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.models.eagle3 import Eagle3Config, Eagle3Model
 from mlxspec.sampling import SamplingConfig
-from mlxspec.training.dflash_trainer import target_features
+from mlxspec.training.features import target_features
 from mlxspec.training.eagle3_trainer import (
     drafter_from,
     eagle3_config_for,
@@ -148,15 +148,18 @@ def test_bad_options_refused_before_compute(target, tmp_path):
 
 @pytest.mark.parametrize("labels", ["text", "target"])
 def test_torch_features_train_as_mlx_features(target, tmp_path, labels):
-    """feature_target (a torch copy of the target computing the features and labels) gives the
+    """feature_pass (the torch copy of the target computing the features and labels) gives the
     run the MLX target gives: same losses, same checkpoint, within float32 rounding."""
     pytest.importorskip("torch")
     from test_torch_backend import torch_twin
 
+    from mlxspec.torch_backend.dflash_training import TorchTraining
+
     twin = torch_twin(target, tmp_path / "twin")
+    torch_features = {"feature_pass": TorchTraining(twin).features}
     runs = [_train(target, tmp_path / name, steps=4, labels=labels, data_dir=tmp_path / "data",
                    **extra)
-            for name, extra in (("mlx", {}), ("torch", {"feature_target": twin}))]
+            for name, extra in (("mlx", {}), ("torch", torch_features))]
     losses = np.array([[a for _, a in r.losses] for r in runs])
     assert np.abs(losses[0] - losses[1]).max() < 1e-4, losses
     a, b = (mx.load(str(tmp_path / n / "model.safetensors")) for n in ("mlx", "torch"))

@@ -16,7 +16,7 @@ from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens
 from mlxspec.mlx_backend import MLXTarget
 from mlxspec.models.medusa import MedusaHeads
 from mlxspec.sampling import SamplingConfig
-from mlxspec.training.dflash_trainer import target_features
+from mlxspec.training.features import target_features
 from mlxspec.training.medusa_trainer import heads_loss, train_medusa
 
 VOCAB = 32

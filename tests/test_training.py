@@ -26,12 +26,11 @@ from mlxspec.training.dflash_trainer import (
     grow_drafter,
     growth_donors,
     init_from_target,
-    target_features,
     train_dflash,
     training_logits,
-    training_mask,
 )
-from mlxspec.models.dflash import block_mask
+from mlxspec.training.features import target_features
+from mlxspec.models.dflash import block_mask, training_mask
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7, 3], [5, 9, 11, 5, 9, 11], [3, 8], [20, 21, 22, 23],

@@ -39,6 +39,7 @@ from .data import (
     load_examples,
     split_heldout,
 )
+from .features import target_features
 
 FIT_HORIZON = 10**9  # the provisional schedule length while a time-fitted run times its warmup
 FIT_MIN_STEPS = 4  # steps timed at least before fitting
@@ -440,15 +441,6 @@ def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfl
     return dest
 
 
-def torch_features(torch_target):
-    """`train`'s raw_features from a torch copy of the target (the feature scale is then measured
-    on the features the training steps will see)."""
-    from ..torch_backend.dflash_training import target_features
-
-    return lambda tokens, layers: mx.array(
-        target_features(torch_target, tokens, layers)[0].cpu().numpy())
-
-
 def heldout_tau(target, drafter, prompts: list[list[int]], *, tokenizer=None,
                 max_tokens: int = 64, num_draft: int | None = None) -> float:
     """Tokens per target pass over all held-out prompts, by the real loop (greedy, a fixed
@@ -492,8 +484,6 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
     """Train (or with `run.resume`, continue) `recipe`'s drafter for the MLX `target`.
     `raw_features(tokens, layers)`: the target features the feature scale is measured on, when
     the training steps run elsewhere (torch); default the MLX target's."""
-    from .dflash_trainer import target_features
-
     run.check()
     out, state_dir, steps = run.out, run.state_dir, run.steps
     fit_to_time = steps is None and run.minutes is not None
