@@ -17,10 +17,11 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.bench import chat_prompt
-from mlxspec.drafters.dflash import head_rows, shipped_drafter_for, target_head
+from mlxspec.drafters.shipped import find_shipped_drafter
 from mlxspec.generate import encode_prompt, stream_generate
 from mlxspec.models.dflash import DFlashConfig, read_draft_vocab, read_weights
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
+from mlxspec.target_parts import embedding_checksum, head_rows, target_head, target_sizes
 from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule, training_logits
 
 def slot1_confidence(math, rows, vocab, tokens, prompt_len):
@@ -36,7 +37,7 @@ def slot1_confidence(math, rows, vocab, tokens, prompt_len):
 
 def main():
     model, tokenizer = mlxspec.load(None)
-    shipped = shipped_drafter_for(model)
+    shipped = find_shipped_drafter(target_sizes(model), lambda: embedding_checksum(model))
     args = DFlashConfig.from_dict(json.loads((shipped / "config.json").read_text()))
     math = MLXDFlashTraining(model, args, dict(read_weights(shipped)),
                              schedule=_schedule(1e-3, 1, 2), weight_decay=0.0, grad_clip=0.0,

@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.models.dflash import DFlashConfig
+from mlxspec.target_parts import target_head
 from mlxspec.training.data import SequenceStore
-from mlxspec.drafters.dflash import target_head
 from mlxspec.training.dflash_trainer import (
     MLXDFlashTraining,
     _schedule,

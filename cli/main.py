@@ -197,7 +197,7 @@ def _check_against_target(model, dtype, drafter, draft_model, options):
 def _dflash_checkpoints(draft_model, target: dict) -> list:
     """The DFlash checkpoint(s) a run may load: --draft-model, else those shipped for a target
     of these sizes (which one is told by its weights, once loaded)."""
-    from mlxspec.drafters.dflash import shipped_candidates
+    from mlxspec.drafters.shipped import shipped_candidates
 
     if draft_model:
         return [draft_model]

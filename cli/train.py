@@ -1,15 +1,11 @@
-"""`mlxspec train ...`: train drafters for a frozen target (register with main.add_command)."""
+"""`mlxspec train ...`: train drafters for a frozen target (register with main.add_command).
+
+One command per registered trainer (mlxspec.training.registry), its own flags generated from
+the entry's options, the run's shared flags (data, schedule, evaluation) from here."""
 
 import click
 
-
-def _layer_ids(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        return [int(v) for v in value.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated layer indices, got {value!r}") from None
+from mlxspec.training import registry
 
 
 @click.group()
@@ -85,12 +81,6 @@ RUN = [
 ]
 
 
-FEATURES_WITH = click.option(
-    "--features-with", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
-    help="Backend of the frozen target's feature pass (torch: ~4x faster on a Linux CPU; needs "
-         "mlxspec[torch]); the drafter's steps run on MLX.")
-
-
 def check_run_options(options: dict) -> None:
     """One-line errors for the shared options, before anything loads."""
     from pathlib import Path
@@ -153,143 +143,72 @@ def report(result) -> None:
                    "answers' tokens; the rest are never learned nor drafted")
 
 
-def run_training(train_fn, target, dtype, generate_with, backend="mlx", device=None,
-                 torch_for=None, **options):
-    """Load the target(s), train, report; a user's mistake is one Error: line. `torch_for`:
-    the keyword that gets a torch copy of the target (besides --backend torch's)."""
+def run_training(kind, target, dtype, generate_with, backend="mlx", device=None,
+                 features_with="mlx", **options):
+    """Load the target(s), train, report; a user's mistake is one Error: line. The torch
+    backend, when chosen, is handed to the trainer: its training steps (--backend torch) or its
+    feature pass (--features-with torch)."""
     from mlxspec.extras import MissingExtraError
 
     try:
         model, tokenizer, torch_model, generator = load_targets(
-            target, dtype, generate_with, "torch" if torch_for else backend, device)
-        if backend == "torch":
-            options.update(torch_target=torch_model, device=device)
-        if torch_for:
-            options[torch_for] = torch_model
-        result = train_fn(model, options.pop("prompts"), options.pop("out"),
-                          tokenizer=tokenizer, generator=generator, backend=backend, **options)
+            target, dtype, generate_with, "torch" if features_with == "torch" else backend,
+            device)
+        if "torch" in (backend, features_with):
+            from mlxspec.backends.torch.dflash_training import TorchTraining
+
+            training = TorchTraining(torch_model, device=device)
+            if backend == "torch":
+                options["torch_training"] = training
+            if features_with == "torch":
+                options["feature_pass"] = training.features
+        result = kind.train(model, options.pop("prompts"), options.pop("out"),
+                            tokenizer=tokenizer, generator=generator, backend=backend, **options)
     except (ValueError, OSError, MissingExtraError) as err:
         raise click.ClickException(str(err)) from None
     report(result)
 
 
-@train.command()
-@shared(TARGET)
-@click.option("--out", required=True, type=click.Path(file_okay=False),
-              help="Output directory: the checkpoint (config.json + model.safetensors, z-lab "
-                   "format) and its resumable training state.")
-@click.option("--layers", type=int, default=None,
-              help="Drafter layers (default 1). With --resume or --init DIR, more layers than the "
-                   "drafter has are appended, starting as the identity.")
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--target-layer-ids", callback=_layer_ids, default=None,
-              help="Comma-separated target layers to condition on (default: z-lab's spacing).")
-@click.option("--anchors", type=int, default=64, show_default=True,
-              help="Random blocks per training sequence.")
-@click.option("--gamma", type=float, default=None,
-              help="Loss decay over block slots, weight exp(-(k-1)/gamma) for slot k (default: "
-                   "the paper's, 7 for blocks of 16); smaller puts the weight on the first slots.")
-@click.option("--init", default="target", show_default=True,
-              help="'target': drafter layers start as copies of the target's last layers; "
-                   "'random'; or a DFlash checkpoint directory to continue training from (e.g. "
-                   "the shipped one, with a fresh optimizer and its own config).")
-@click.option("--init-final-norm", is_flag=True,
-              help="With --init target: also start the drafter's final norm as the target's.")
-@click.option("--loss-vocab", type=int, default=None,
-              help="Train against the N most frequent response tokens' head rows only "
-                   "(cheaper steps), which the checkpoint keeps as its draft vocabulary (cheaper "
-                   "drafting; verification keeps the full head). 8192 held 85-92% of SmolLM2's "
-                   "tokens on the benchmark suites, 16384 92-95%. Default: the full vocabulary.")
-@click.option("--backend", type=click.Choice(["mlx", "torch"]), default="mlx", show_default=True,
-              help="Where the training steps run: MLX, or torch (same checkpoint; ~2.5x faster "
-                   "on a Linux CPU, CUDA with --device; needs mlxspec[torch]).")
-@click.option("--device", default=None, help="torch device for --backend torch (cuda, cpu).")
-@shared(RUN)
-def dflash(target, dtype, generate_with, backend, device, **options):
-    """Train a DFlash drafter for TARGET on PROMPTS; resumable with --resume."""
-    from mlxspec.training import train_dflash
-
-    check_run_options(options)
-    for name in ("layers", "anchors"):
-        if options[name] is not None and options[name] < 1:
-            raise click.BadParameter(f"must be >= 1, got {options[name]}", param_hint=f"--{name}")
-    if options["gamma"] is not None and not 0 < options["gamma"] < float("inf"):
-        raise click.BadParameter(f"must be > 0, got {options['gamma']}", param_hint="--gamma")
-    if options["block_size"] < 2:
-        raise click.BadParameter(f"must be >= 2, got {options['block_size']}",
-                                 param_hint="--block-size")
-    run_training(train_dflash, target, dtype, generate_with, backend, device, **options)
+def flag_for(option: registry.TrainerOption):
+    """The click option that sets a trainer's `option`."""
+    settings = dict(help=option.help, type=option.type)
+    if option.choices is not None:
+        settings["type"] = click.Choice(list(option.choices))
+    if option.is_flag:
+        settings["is_flag"] = True
+    else:
+        settings.update(default=option.default,
+                        show_default=True if option.default is not None else None)
+    if option.parse is not None:
+        settings["callback"] = lambda ctx, param, value: parsed(option, value)
+    return click.option(option.flags, option.name, **settings)
 
 
-@train.command()
-@shared(TARGET)
-@click.option("--out", required=True, type=click.Path(file_okay=False),
-              help="Output directory: the checkpoint (speculators layout: config.json + "
-                   "model.safetensors, loadable by --drafter eagle3 --drafter-model) and its "
-                   "resumable training state.")
-@click.option("--ttt-steps", type=int, default=None,
-              help="Training-time test steps: each position also learns to draft 2..N tokens "
-                   "ahead from its own outputs, as the chain does (default 7, SpecForge's; a "
-                   "resumed run keeps its own).")
-@click.option("--step-decay", "decay", type=float, default=None,
-              help="Loss weight of TTT step s: decay**s (default 0.8).")
-@click.option("--aux-layer-ids", callback=_layer_ids, default=None,
-              help="Comma-separated target hidden states to fuse, counted as speculators and vLLM "
-                   "do (0 = the embedding, j = layer j's input; default 2, L/2, L-3).")
-@click.option("--speculative-tokens", type=int, default=4, show_default=True,
-              help="The chain length the checkpoint suggests; held-out tau drafts this many.")
-@click.option("--draft-vocab", "loss_vocab", type=int, default=None,
-              help="Draft vocabulary: the N most frequent answer tokens (d2t maps them to target "
-                   "ids; the loss and drafting read only their head rows). Default: the full "
-                   "vocabulary.")
-@FEATURES_WITH
-@shared(RUN)
-def eagle3(target, dtype, generate_with, features_with, **options):
-    """Train an EAGLE-3 drafter for TARGET on PROMPTS (MLX); resumable with --resume."""
-    from mlxspec.training import train_eagle3
-
-    check_run_options(options)
-    if options["ttt_steps"] is not None and options["ttt_steps"] < 1:
-        raise click.BadParameter(f"must be >= 1, got {options['ttt_steps']}",
-                                 param_hint="--ttt-steps")
-    if options["decay"] is not None and not 0 < options["decay"] <= 1:
-        raise click.BadParameter(f"must be in (0, 1], got {options['decay']}",
-                                 param_hint="--step-decay")
-    if options["speculative_tokens"] < 1:
-        raise click.BadParameter(f"must be >= 1, got {options['speculative_tokens']}",
-                                 param_hint="--speculative-tokens")
-    run_training(train_eagle3, target, dtype, generate_with,
-                 torch_for="feature_target" if features_with == "torch" else None, **options)
+def parsed(option: registry.TrainerOption, value):
+    if value is None:
+        return None
+    try:
+        return option.parse(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
 
 
-@train.command()
-@shared(TARGET)
-@click.option("--out", required=True, type=click.Path(file_okay=False),
-              help="Output directory: the checkpoint (Medusa's published layout: config.json + "
-                   "medusa_lm_head.safetensors, loadable by --drafter medusa --drafter-model) "
-                   "and its resumable training state.")
-@click.option("--heads", "num_heads", type=int, default=None,
-              help="Medusa heads: head i drafts the token i+2 ahead (default 3; a resumed run "
-                   "keeps its own).")
-@click.option("--head-layers", "num_layers", type=int, default=None,
-              help="Residual blocks per head (default 1, Medusa-1's).")
-@click.option("--own-projection/--shared-head", default=None,
-              help="Each head trains its own output projection, started from the target's head "
-                   "(Medusa-1's; 28M parameters a head on SmolLM2), or all heads share the "
-                   "target's frozen head (default: 0.33M a head, a 2.6 MB checkpoint).")
-@click.option("--loss-vocab", type=int, default=None,
-              help="Train against the N most frequent answer tokens' head rows only (cheaper "
-                   "steps; drafting keeps the full head). Default: the full vocabulary.")
-@FEATURES_WITH
-@shared(RUN)
-def medusa(target, dtype, generate_with, features_with, **options):
-    """Train Medusa heads for TARGET on PROMPTS (MLX); resumable with --resume."""
-    from mlxspec.training import train_medusa
+def command_for(kind: registry.TrainerKind) -> click.Command:
+    """`mlxspec train NAME`: the target, --out, the trainer's own flags, then the run's."""
 
-    check_run_options(options)
-    for name, flag in (("num_heads", "--heads"), ("num_layers", "--head-layers"),
-                       ("loss_vocab", "--loss-vocab")):
-        if options[name] is not None and options[name] < 1:
-            raise click.BadParameter(f"must be >= 1, got {options[name]}", param_hint=flag)
-    run_training(train_medusa, target, dtype, generate_with,
-                 torch_for="feature_target" if features_with == "torch" else None, **options)
+    def command(target, dtype, generate_with, **options):
+        check_run_options(options)
+        for option in kind.options:
+            problem = option.problem(options.get(option.name))
+            if problem:
+                raise click.BadParameter(problem, param_hint=option.flag)
+        run_training(kind, target, dtype, generate_with, **options)
+
+    out = click.option("--out", required=True, type=click.Path(file_okay=False),
+                       help=kind.out_help)
+    flags = [*TARGET, out, *map(flag_for, kind.options), *RUN]
+    return click.command(kind.name, help=kind.help)(shared(flags)(command))
+
+
+for _kind in registry.trainer_kinds().values():
+    train.add_command(command_for(_kind))

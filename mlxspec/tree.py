@@ -86,3 +86,19 @@ def best_first_drafts(logprobs: list[list[float]], ids: list[list[int]],
     tokens of best_first_tree's nodes, in node order, and the tree's shape."""
     ranks, shape = best_first_tree(logprobs, budget)
     return [ids[shape.depth[node] - 1][rank] for node, rank in enumerate(ranks, start=1)], shape
+
+
+MAX_TREE_BUDGET = 256  # nodes verified in one pass; measured budgets that pay are 4 to 64
+
+
+def check_tree(budget: int | None, width: int) -> tuple[int | None, int]:
+    """A tree budget (None: a chain) and width, refused in one line when not positive integers
+    or past MAX_TREE_BUDGET (a bound on one step's work)."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
+        raise ValueError(f"tree budget must be a positive integer (draft nodes), got {budget!r}")
+    if budget is not None and budget > MAX_TREE_BUDGET:
+        raise ValueError(f"tree budget must be at most {MAX_TREE_BUDGET} nodes, got {budget}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"tree width must be a positive integer, got {width!r}")
+    return budget, width

@@ -222,6 +222,35 @@ def block_mask(start: int, num_ctx: int, length: int, *, causal: bool, window: i
     return visible
 
 
+def training_mask(anchors: mx.array, block_size: int, seq_len: int, *, causal: bool = False,
+                  window: int | None = None) -> mx.array:
+    """(N, bs, seq_len + bs) bool: what slot i of the block at anchor a sees.
+
+    Keys are the context positions 0..seq_len-1 followed by the block's own slots. Context p is
+    visible iff p < a (strictly before the anchor); other blocks are not keys at all. Causal
+    ("sliding_attention") layers see slots j <= i; a window keeps keys with |q - k| < window,
+    by absolute position (query a+i), as `block_mask` does at inference.
+    """
+    a = anchors.astype(mx.int32)[:, None, None]
+    i = mx.arange(block_size)[None, :, None]
+    p = mx.arange(seq_len)[None, None, :]
+    j = mx.arange(block_size)[None, None, :]
+    ctx = p < a
+    blk = mx.ones((1, block_size, block_size), dtype=mx.bool_)
+    if causal:
+        blk = blk & (j <= i)
+    if window is not None:
+        ctx = ctx & ((a + i) - p < window)
+        blk = blk & (i - j < window)
+        if not causal:
+            blk = blk & (j - i < window)
+    N = anchors.shape[0]
+    return mx.concatenate(
+        [mx.broadcast_to(ctx, (N, block_size, seq_len)),
+         mx.broadcast_to(blk, (N, block_size, block_size))], axis=-1
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: DFlashConfig, layer_type: str):
         super().__init__()

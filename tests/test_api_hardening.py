@@ -88,7 +88,7 @@ def test_num_draft_is_capped_by_the_drafters_maximum():
 
 
 def test_tree_budget_has_a_maximum():
-    from mlxspec.drafters.dflash import MAX_TREE_BUDGET, check_tree
+    from mlxspec.tree import MAX_TREE_BUDGET, check_tree
 
     assert check_tree(MAX_TREE_BUDGET, 4) == (MAX_TREE_BUDGET, 4)
     with pytest.raises(ValueError, match="at most"):

@@ -26,11 +26,12 @@ from tiny_models import tiny_llama
 
 from mlxspec.converters import convert
 from mlxspec.converters.dflash import convert_dflash, is_dflash_checkpoint
-from mlxspec.drafters.dflash import DFlashDrafter, head_rows, load_dflash_drafter
+from mlxspec.drafters.dflash import DFlashDrafter, load_dflash_drafter
 from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
 from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
 from mlxspec.sampling import SamplingConfig
+from mlxspec.target_parts import head_rows
 
 GREEDY = SamplingConfig()
 

@@ -15,7 +15,7 @@ from mlxspec.engine import Drafter, SpecStats, speculative_tokens
 from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.eagle3 import Eagle3Config, Eagle3Model
 from mlxspec.sampling import SamplingConfig
-from mlxspec.training.dflash_trainer import target_features
+from mlxspec.training.features import target_features
 from mlxspec.training.eagle3_trainer import (
     drafter_from,
     eagle3_config_for,
@@ -148,15 +148,18 @@ def test_bad_options_refused_before_compute(target, tmp_path):
 
 @pytest.mark.parametrize("labels", ["text", "target"])
 def test_torch_features_train_as_mlx_features(target, tmp_path, labels):
-    """feature_target (a torch copy of the target computing the features and labels) gives the
+    """feature_pass (the torch copy of the target computing the features and labels) gives the
     run the MLX target gives: same losses, same checkpoint, within float32 rounding."""
     pytest.importorskip("torch")
     from test_torch_backend import torch_twin
 
+    from mlxspec.backends.torch.dflash_training import TorchTraining
+
     twin = torch_twin(target, tmp_path / "twin")
+    torch_features = {"feature_pass": TorchTraining(twin).features}
     runs = [_train(target, tmp_path / name, steps=4, labels=labels, data_dir=tmp_path / "data",
                    **extra)
-            for name, extra in (("mlx", {}), ("torch", {"feature_target": twin}))]
+            for name, extra in (("mlx", {}), ("torch", torch_features))]
     losses = np.array([[a for _, a in r.losses] for r in runs])
     assert np.abs(losses[0] - losses[1]).max() < 1e-4, losses
     a, b = (mx.load(str(tmp_path / n / "model.safetensors")) for n in ("mlx", "torch"))
@@ -170,7 +173,7 @@ def test_packaged_eagle3_drafter_is_found_for_its_target_and_kind_only(target, t
     the kind; `load_drafter("eagle3")` without a path finds it (and decodes losslessly), the
     DFlash lookup does not, nor does another target of the same shape."""
     import mlxspec
-    import mlxspec.drafters.dflash as dflash_module
+    import mlxspec.drafters.shipped as shipped_module
     from mlxspec.training.run import package_drafter
 
     _train(target, tmp_path / "run", steps=2)
@@ -179,7 +182,7 @@ def test_packaged_eagle3_drafter_is_found_for_its_target_and_kind_only(target, t
     assert weights["fc.weight"].dtype == mx.bfloat16 and weights["d2t"].dtype == mx.int64
     assert weights["t2d"].dtype == mx.bool_
     assert json.loads((dest / "target.json").read_text())["drafter"] == "eagle3"
-    monkeypatch.setattr(dflash_module, "TRAINED_DIR", tmp_path / "trained")
+    monkeypatch.setattr(shipped_module, "TRAINED_DIR", tmp_path / "trained")
     drafter = mlxspec.load_drafter("eagle3", model=target, tokenizer=None)
     assert drafter.model.fc.weight.dtype == mx.float32  # cast to the target's dtype
     for prompt in ([1, 2, 3], [9, 4, 4, 4, 17]):

@@ -16,7 +16,7 @@ from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens
 from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.medusa import MedusaHeads
 from mlxspec.sampling import SamplingConfig
-from mlxspec.training.dflash_trainer import target_features
+from mlxspec.training.features import target_features
 from mlxspec.training.medusa_trainer import heads_loss, train_medusa
 
 VOCAB = 32
@@ -120,7 +120,7 @@ def test_packaged_heads_are_found_for_their_target_and_kind_only(target, tmp_pat
     kind; `load_drafter("medusa")` without a path finds them (cast to the target's dtype, and
     decoding losslessly), the other kinds' lookups do not, nor does another target."""
     import mlxspec
-    import mlxspec.drafters.dflash as dflash_module
+    import mlxspec.drafters.shipped as shipped_module
     from mlxspec.training.run import package_drafter
 
     _train(target, tmp_path / "run", steps=2)
@@ -129,7 +129,7 @@ def test_packaged_heads_are_found_for_their_target_and_kind_only(target, tmp_pat
     assert mx.load(str(dest / "medusa_lm_head.safetensors"))["0.0.linear.weight"].dtype == \
         mx.bfloat16
     assert json.loads((dest / "target.json").read_text())["drafter"] == "medusa"
-    monkeypatch.setattr(dflash_module, "TRAINED_DIR", tmp_path / "trained")
+    monkeypatch.setattr(shipped_module, "TRAINED_DIR", tmp_path / "trained")
     drafter = mlxspec.load_drafter("medusa", model=target, tokenizer=None)
     assert drafter.heads.dtype == mx.float32
     outs = [[t for t, _ in speculative_tokens(

@@ -277,6 +277,7 @@ def test_torch_training_matches_mlx(tiny_target, tmp_path, batch_size):
     sliding-window layer in the drafter; a torch run stopped and resumed equals an
     uninterrupted one. With several sequences a step, torch pads them into one pass (target and
     drafter) where MLX loops over them: the same losses still."""
+    from mlxspec.backends.torch.dflash_training import TorchTraining
     from mlxspec.training import train_dflash
 
     twin = torch_twin(tiny_target, tmp_path / "twin")
@@ -288,7 +289,7 @@ def test_torch_training_matches_mlx(tiny_target, tmp_path, batch_size):
                                       "use_sliding_window": True, "sliding_window": 5})
     on_mlx = train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "mlx", **options)
     on_torch = train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "torch", backend="torch",
-                            torch_target=twin, **options)
+                            torch_training=TorchTraining(twin), **options)
     losses = np.array([[a, b] for (_, a), (_, b) in zip(on_mlx.losses, on_torch.losses)])
     assert len(losses) == 5 and np.abs(losses[:, 0] - losses[:, 1]).max() < 1e-4, losses
     mlx_w = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
@@ -297,9 +298,9 @@ def test_torch_training_matches_mlx(tiny_target, tmp_path, batch_size):
     assert max(float(mx.abs(mlx_w[k] - torch_w[k]).max()) for k in mlx_w) < 1e-4
 
     train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "resumed", backend="torch",
-                 torch_target=twin, stop_after=2, **options)
+                 torch_training=TorchTraining(twin), stop_after=2, **options)
     resumed = train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "resumed", backend="torch",
-                           torch_target=twin, resume=True, **options)
+                           torch_training=TorchTraining(twin), resume=True, **options)
     assert resumed.step == 5
     again = mx.load(str(tmp_path / "resumed" / "model.safetensors"))
     assert max(float(mx.abs(again[k] - torch_w[k]).max()) for k in torch_w) < 1e-6
@@ -310,12 +311,13 @@ def test_torch_training_matches_mlx(tiny_target, tmp_path, batch_size):
 def test_torch_run_resumed_with_more_layers(tiny_target, tmp_path):
     """Growing a torch run: the old layer keeps its AdamW moments, the new one starts its own,
     and the checkpoint is a two-layer drafter in the same format."""
+    from mlxspec.backends.torch.dflash_training import TorchTraining
     from mlxspec.training import train_dflash
 
     twin = torch_twin(tiny_target, tmp_path / "twin")
     options = dict(block_size=4, steps=4, anchors=4, max_new_tokens=10, heldout=1, eval_every=0,
                    save_every=2, progress=False, seed=0, lr=3e-3, warmup=1, backend="torch",
-                   torch_target=twin)
+                   torch_training=TorchTraining(twin))
     train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "run", stop_after=2, **options)
     grown = train_dflash(tiny_target, TRAIN_PROMPTS, tmp_path / "run", resume=True, layers=2,
                          **options)

@@ -12,17 +12,12 @@ from mlx.utils import tree_flatten
 from test_dflash import drafter_config, random_weights
 from tiny_models import tiny_llama
 
-from mlxspec.drafters.dflash import (
-    DFlashDrafter,
-    load_dflash_drafter,
-    target_embedding,
-    target_final_norm,
-    target_head,
-)
+from mlxspec.drafters.dflash import DFlashDrafter, load_dflash_drafter
 from mlxspec.engine import Drafter, SpecStats, speculative_tokens
 from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
 from mlxspec.sampling import SamplingConfig
+from mlxspec.target_parts import target_embedding, target_final_norm, target_head
 from mlxspec.training.data import SequenceStore, greedy_response, load_examples, split_heldout
 from mlxspec.training.dflash_trainer import (
     block_loss,
@@ -31,12 +26,11 @@ from mlxspec.training.dflash_trainer import (
     grow_drafter,
     growth_donors,
     init_from_target,
-    target_features,
     train_dflash,
     training_logits,
-    training_mask,
 )
-from mlxspec.models.dflash import block_mask
+from mlxspec.training.features import target_features
+from mlxspec.models.dflash import block_mask, training_mask
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7, 3], [5, 9, 11, 5, 9, 11], [3, 8], [20, 21, 22, 23],
@@ -266,13 +260,13 @@ def test_packaged_drafter_is_found_for_its_target_only(target, tmp_path, monkeyp
     """package_drafter writes a bf16 drafter + target.json; `load_drafter("dflash")` without a
     path finds it for that target (and decodes losslessly), and refuses a same-shaped other."""
     import mlxspec
-    import mlxspec.drafters.dflash as dflash_module
+    import mlxspec.drafters.shipped as shipped_module
     from mlxspec.training.dflash_trainer import package_drafter
 
     _train(target, tmp_path / "run", steps=2)
     dest = package_drafter(tmp_path / "run", tmp_path / "trained" / "tiny", target)
     assert mx.load(str(dest / "model.safetensors"))["fc.weight"].dtype == mx.bfloat16
-    monkeypatch.setattr(dflash_module, "TRAINED_DIR", tmp_path / "trained")
+    monkeypatch.setattr(shipped_module, "TRAINED_DIR", tmp_path / "trained")
     drafter = mlxspec.load_drafter("dflash", model=target, tokenizer=None)
     assert drafter.model.fc.weight.dtype == mx.float32  # cast to the target's dtype
     plain, spec = _plain_and_spec(target, drafter, [1, 2, 3])

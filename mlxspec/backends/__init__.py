@@ -13,6 +13,7 @@ from functools import cache
 from typing import Any, Callable, Iterator
 
 from ..extras import require
+from ..target_sizes import TargetSizes
 
 BACKENDS = ("mlx", "torch")
 
@@ -31,8 +32,7 @@ class Backend:
     peak_memory_gb: Callable[[Any], float]
     context_length: Callable[[Any], "int | None"]
     vocab_size: Callable[[Any], int]
-    target_sizes: Callable[[Any], tuple[int, int, int]]  # (hidden, vocab, decoder layers)
-    sizes_view: Callable[[Any], Any]  # what drafters' check_against_target reads of a target
+    target_sizes: Callable[[Any], TargetSizes]  # what drafter checkpoints are checked against
     embedding_checksum: Callable[[Any], float]  # tells shipped drafters' targets apart
     describe: Callable[[Any], str]  # where a model runs, for --verbose and bench reports
     run_steps: Callable[[Iterator], Iterator] = iter  # each step of the loop, run as it needs
@@ -79,7 +79,7 @@ def _mlx() -> Backend:
 
     from .._blas import blas_in_use
     from ..distributed import stage_of
-    from ..drafters.dflash import embedding_checksum, target_sizes
+    from ..target_parts import embedding_checksum, target_sizes
     from .mlx.loading import loader
     from .mlx.target import MLXTarget, PromptCache, context_length, vocab_size
 
@@ -91,7 +91,7 @@ def _mlx() -> Backend:
         "mlx", loader, MLXTarget, PromptCache, mx.random.seed,
         peak_memory_gb=lambda model: mx.get_peak_memory() / 1e9,
         context_length=context_length, vocab_size=vocab_size, target_sizes=target_sizes,
-        sizes_view=lambda model: model, embedding_checksum=embedding_checksum,
+        embedding_checksum=embedding_checksum,
         describe=describe, mlx_lm=True,
     )
 
@@ -99,13 +99,13 @@ def _mlx() -> Backend:
 @cache
 def _torch() -> Backend:
     from . import torch as tb
-    from .torch.dflash import _sizes_view
+    from .torch.target import embedding_checksum, target_sizes
 
     return Backend(
         "torch", tb.loader, tb.TorchTarget, tb.TorchPromptCache, tb.seed,
         peak_memory_gb=tb.peak_memory_gb, context_length=tb.context_length,
-        vocab_size=tb.vocab_size, target_sizes=tb.target_sizes, sizes_view=_sizes_view,
-        embedding_checksum=tb.embedding_checksum, describe=tb.describe,
+        vocab_size=tb.vocab_size, target_sizes=target_sizes,
+        embedding_checksum=embedding_checksum, describe=tb.describe,
         run_steps=tb.run_steps, devices=True,
     )
 

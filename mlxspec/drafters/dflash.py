@@ -9,7 +9,6 @@ reads nothing back to the host: drafting joins the target's one evaluation per s
 (DDTree, `tree_budget`) reads each slot's best tokens first, since its shape depends on them.
 """
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +25,17 @@ from ..models.dflash import (
     read_weights,
 )
 from ..sampling import SamplingConfig
-from ..tree import best_first_drafts
+from ..target_parts import (
+    dtype_of,
+    head_rows,
+    target_embedding,
+    target_final_norm,
+    target_head,
+    target_sizes,
+)
+from ..target_sizes import check_against_target
+from ..tree import check_tree
+from .ddtree import best_first_draft
 
 
 class DFlashDrafter(Drafter):
@@ -121,7 +130,7 @@ class DFlashDrafter(Drafter):
         block = mx.array([[tokens[-1]] + [self.args.mask_token_id] * num_draft], dtype=mx.int32)
         embeddings = self.embed_tokens(block) * self.args.input_embedding_scale  # (1, L, H)
         hidden = self.model(embeddings, self.cache)[:, 1:]
-        return self.model.compute_logits(hidden.astype(_dtype_of(self.lm_head)), self.lm_head)[0]
+        return self.model.compute_logits(hidden.astype(dtype_of(self.lm_head)), self.lm_head)[0]
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         # Fewer drafts than the block holds shrink the block, as z-lab does near max_tokens.
@@ -145,33 +154,6 @@ class DFlashDrafter(Drafter):
         self._append(verdict.features)
 
 
-def best_first_draft(logprobs: mx.array, width: int, budget: int, ids=None) -> Draft:
-    """A DDTree draft from independent per-depth distributions, logprobs (depth, rows): each
-    depth's `width` best rows (target ids through `ids`, a draft vocabulary's, when given) read
-    to the host once, grown into the `budget` most probable branches. Children are
-    deterministic (Draft.probs None), which the tree rule keeps lossless when sampling too."""
-    best = mx.argsort(-logprobs, axis=-1)[:, :width]
-    scores = mx.take_along_axis(logprobs, best, axis=-1)
-    ids = best if ids is None else ids[best]
-    mx.eval(scores, ids)
-    drafts, shape = best_first_drafts(scores.tolist(), ids.tolist(), budget)
-    return Draft(tokens=drafts, parents=shape.parents)
-
-
-MAX_TREE_BUDGET = 256  # nodes verified in one pass; measured budgets that pay are 4 to 64
-
-
-def check_tree(budget: int | None, width: int) -> tuple[int | None, int]:
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               or budget < 1):
-        raise ValueError(f"tree budget must be a positive integer (draft nodes), got {budget!r}")
-    if budget is not None and budget > MAX_TREE_BUDGET:
-        raise ValueError(f"tree budget must be at most {MAX_TREE_BUDGET} nodes, got {budget}")
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"tree width must be a positive integer, got {width!r}")
-    return budget, width
-
-
 def check_block_size(block_size: int | None, trained: int) -> int:
     if block_size is None:
         return trained
@@ -180,133 +162,6 @@ def check_block_size(block_size: int | None, trained: int) -> int:
             f"DFlash block size must be between 2 and the checkpoint's {trained}, got {block_size}"
         )
     return int(block_size)
-
-
-def head_rows(head, ids: mx.array) -> nn.Module:
-    """A linear layer computing `head`'s logits for `ids` only: rows of a Linear, of a tied
-    Embedding (its `as_linear`) or of their quantized forms (packed rows slice exactly)."""
-    owner = getattr(head, "__self__", head)
-    if "scales" in owner:
-        rows = nn.QuantizedLinear(owner.group_size, 1, bias=False, group_size=owner.group_size,
-                                  bits=owner.bits, mode=getattr(owner, "mode", "affine"))
-        rows.scales = owner["scales"][ids]
-        if "biases" in owner:
-            rows.biases = owner["biases"][ids]
-        elif "biases" in rows:
-            del rows["biases"]
-    else:
-        rows = nn.Linear(1, 1, bias=False)
-    rows.weight = owner["weight"][ids]
-    if "bias" in owner:
-        rows.bias = owner["bias"][ids]
-    mx.eval(rows.parameters())
-    return rows
-
-
-def _dtype_of(module) -> mx.Dtype:
-    owner = getattr(module, "__self__", module)  # Embedding.as_linear is a bound method
-    scales = getattr(owner, "scales", None)  # quantized layers compute in their scales' dtype
-    return (scales if scales is not None else owner.weight).dtype
-
-
-def _target_inner(model):
-    """The module holding embed_tokens and the final norm (model, model.model, language_model...)."""
-    for outer in (model, getattr(model, "language_model", None)):
-        for inner in (outer, getattr(outer, "model", None)):
-            if inner is not None and hasattr(inner, "embed_tokens"):
-                return inner
-    raise ValueError(f"cannot find the token embedding of {type(model).__module__}")
-
-
-def target_embedding(model):
-    return _target_inner(model).embed_tokens
-
-
-def target_head(model):
-    """The target's LM head module, or its tied embedding used as one."""
-    for inner in (model, getattr(model, "language_model", None)):
-        head = getattr(inner, "lm_head", None) if inner is not None else None
-        if head is not None:
-            return head
-    return target_embedding(model).as_linear
-
-
-def target_final_norm(model):
-    return getattr(_target_inner(model), "norm", None)
-
-
-def target_sizes(model) -> tuple[int, int, int]:
-    """(hidden size, vocab size, decoder layers) of an mlx-lm model."""
-    embed = target_embedding(model)
-    hidden = getattr(getattr(model, "args", None), "hidden_size", None) or embed.weight.shape[1]
-    return int(hidden), int(embed.weight.shape[0]), len(decoder_layers(model))
-
-
-def check_against_target(args: DFlashConfig, model) -> None:
-    """Refuse a drafter trained for another target, naming both sides, before any compute."""
-    hidden, vocab, layers = target_sizes(model)
-    problems = []
-    if args.hidden_size != hidden:
-        problems.append(f"hidden size: drafter {args.hidden_size}, target {hidden}")
-    if args.vocab_size != vocab:
-        problems.append(f"vocab size: drafter {args.vocab_size}, target {vocab}")
-    if args.num_target_layers is not None and args.num_target_layers != layers:
-        problems.append(
-            f"number of target layers: drafter config num_target_layers {args.num_target_layers}, "
-            f"target has {layers}"
-        )
-    bad_ids = [i for i in args.target_layer_ids if not 0 <= i < layers]
-    if bad_ids:
-        problems.append(
-            f"target_layer_ids {bad_ids} (of {args.target_layer_ids}) out of range for the "
-            f"target's {layers} layers"
-        )
-    if not 0 <= args.mask_token_id < vocab:
-        problems.append(
-            f"mask_token_id: drafter {args.mask_token_id}, outside the target's vocab of {vocab}"
-        )
-    if problems:
-        raise ValueError("DFlash drafter does not fit this target: " + "; ".join(problems))
-
-
-TRAINED_DIR = Path(__file__).parent / "trained"
-
-
-def embedding_checksum(model) -> float:
-    """Sum of the first 8 embedding rows (dequantized): tells targets of equal shape apart."""
-    embed = target_embedding(model)
-    rows = embed.weight[:8]
-    if hasattr(embed, "scales"):
-        rows = mx.dequantize(rows, embed.scales[:8], embed.get("biases")[:8] if "biases" in embed
-                             else None, group_size=embed.group_size, bits=embed.bits)
-    return float(rows.astype(mx.float32).sum().item())
-
-
-def find_shipped_drafter(sizes: tuple[int, int, int], checksum, kind: str = "dflash") -> Path | None:
-    """The `kind` drafter that ships with mlxspec for a target, if any: a directory under
-    drafters/trained/ whose target.json names the drafter kind ("dflash" when it names none) and
-    holds the target's (hidden, vocab, layers) and the sum of its first 8 embedding rows
-    (`checksum()`, called only when the sizes match)."""
-    value = None
-    for folder, want in shipped_candidates(sizes, kind):
-        value = checksum() if value is None else value
-        if abs(value - want["embedding_checksum"]) <= 1e-3 * max(1.0, abs(value)):
-            return folder
-    return None
-
-
-def shipped_candidates(sizes: tuple, kind: str = "dflash"):
-    """(directory, its target.json) of each `kind` drafter shipped for a target of these
-    (hidden, vocab, layers) sizes: read before the target loads (its weights tell which)."""
-    for target_file in sorted(TRAINED_DIR.glob("*/target.json")):
-        want = json.loads(target_file.read_text())
-        if want.get("drafter", "dflash") == kind and \
-                (want["hidden_size"], want["vocab_size"], want["num_layers"]) == tuple(sizes):
-            yield target_file.parent, want
-
-
-def shipped_drafter_for(model, kind: str = "dflash") -> Path | None:
-    return find_shipped_drafter(target_sizes(model), lambda: embedding_checksum(model), kind)
 
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
@@ -330,13 +185,13 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
 
         path = resolve_hf_source(str(path))
     args = DFlashConfig.from_dict(read_config(path))
-    check_against_target(args, model)
+    check_against_target(args, target_sizes(model))
     check_block_size(block_size, args.block_size)
     vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
     weights = read_weights(path)
     drafter_model = check_weights(args, weights)
     if dtype == "target":  # e.g. a bf16-stored drafter on an fp32 CPU target
-        dtype = _dtype_of(target_head(model))
+        dtype = dtype_of(target_head(model))
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                    for k, v in weights.items()}

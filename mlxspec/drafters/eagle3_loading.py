@@ -28,7 +28,8 @@ from ..backends import backend_for
 from ..checkpoint_checks import check_checkpoint_config
 from ..models.dflash import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Model
-from .dflash import _dtype_of, target_embedding, target_head, target_sizes
+from ..target_parts import dtype_of, target_embedding, target_head, target_sizes
+from ..target_sizes import TargetSizes
 
 
 def read_config(path: Path) -> Eagle3Config:
@@ -97,14 +98,14 @@ def check_weights(args: Eagle3Config, expected: dict[str, tuple], weights: dict,
     return {n: w for n, w in weights.items() if n in expected}
 
 
-def check_against_target(args: Eagle3Config, model, *, own_embed: bool | None = None,
-                         own_head: bool | None = None) -> None:
+def check_against_target(args: Eagle3Config, sizes: TargetSizes, *,
+                         own_embed: bool | None = None, own_head: bool | None = None) -> None:
     """Refuse a drafter trained for another target, naming both sides, before any compute.
 
     own_embed / own_head: whether the checkpoint carries embed_tokens / lm_head (None: not
     known yet, e.g. before the weights are read; then only what the config implies is checked).
     """
-    hidden, vocab, layers = target_sizes(model)
+    hidden, vocab, layers = sizes
     problems = []
     if args.target_hidden_size != hidden:
         problems.append(f"hidden size: drafter target_hidden_size {args.target_hidden_size}, "
@@ -168,28 +169,27 @@ def check_checkpoint(path, model) -> None:
     check_against_target(read_config(resolve(path)), sizes_of(model))
 
 
-def sizes_of(model):
-    """What check_against_target reads of a target: an mlx-lm model itself, a transformers
-    one through the torch backend's view of it."""
-    return backend_for(model).sizes_view(model)
+def sizes_of(model) -> TargetSizes:
+    """The sizes check_against_target reads, of an mlx-lm or a transformers target."""
+    return backend_for(model).target_sizes(model)
 
 
-def read_checkpoint(path, target, *, read_tensors, build, is_integer):
-    """Every check of a checkpoint for `target` (anything check_against_target reads), in
-    order, with the backend's tensors: config.json against the target (sizes, aux layers)
-    before any weight is read, then names and shapes (of the model `build(args, own_embed,
-    own_head)` returns with its parameter shapes), then d2t against the target's vocabulary.
+def read_checkpoint(path, sizes: TargetSizes, *, read_tensors, build, is_integer):
+    """Every check of a checkpoint for a target of these `sizes`, in order, with the backend's
+    tensors: config.json against the target (sizes, aux layers) before any weight is read, then
+    names and shapes (of the model `build(args, own_embed, own_head)` returns with its
+    parameter shapes), then d2t against the target's vocabulary.
     Returns (config, that model, the weights it loads, d2t or None)."""
     path = resolve(path)
     args = read_config(path)
-    check_against_target(args, target)
+    check_against_target(args, sizes)
     weights = canonical_weights(read_tensors(path))
     own_embed, own_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
     model, expected = build(args, own_embed, own_head)
     weights = check_weights(args, expected, weights, is_integer)
-    check_against_target(args, target, own_embed=own_embed, own_head=own_head)
+    check_against_target(args, sizes, own_embed=own_embed, own_head=own_head)
     d2t = weights.pop("d2t", None)
-    check_d2t(args, d2t, target_sizes(target)[1])
+    check_d2t(args, d2t, sizes.vocab_size)
     return args, model, weights, d2t
 
 
@@ -223,11 +223,11 @@ def load_eagle3_model(path, *, model, dtype=None) -> Eagle3Model:
     or an mx.Dtype.
     """
     args, drafter, weights, d2t = read_checkpoint(
-        path, model, read_tensors=read_weights, build=_mlx_model,
+        path, target_sizes(model), read_tensors=read_weights, build=_mlx_model,
         is_integer=lambda a: mx.issubdtype(a.dtype, mx.integer))
     own_embed, own_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
     if dtype == "target":
-        dtype = _dtype_of(target_head(model))
+        dtype = dtype_of(target_head(model))
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                    for k, v in weights.items()}

@@ -30,7 +30,7 @@ from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..generate import check_count
 from ..sampling import SamplingConfig
 from ..backends.mlx.sampling import processed_logprobs
-from .dflash import check_tree
+from ..tree import check_tree
 
 
 class PairedDrafting(Drafter):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from ..backends import BACKENDS, backend_for
 from ..engine import Drafter, PlainDecoding
-from .dflash import MAX_TREE_BUDGET
+from ..tree import MAX_TREE_BUDGET
 from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
 
@@ -232,14 +232,21 @@ def load_torch_draft_model_drafter(path, *, model, tokenizer, **options):
     return TorchDraftModelDrafter(draft_model)
 
 
+def sizes_and_checksum(model):
+    """(TargetSizes, a function computing the embedding checksum) of a target on any backend:
+    what a checkpoint is checked against and a shipped drafter found by."""
+    backend = backend_for(model)
+    return backend.target_sizes(model), lambda: backend.embedding_checksum(model)
+
+
 def check_dflash_checkpoint(path, model) -> None:
     """A DFlash config against the target, on either backend, naming both sides."""
     from ..converters.hf import resolve_hf_source
     from ..models.dflash import DFlashConfig, read_config
-    from .dflash import check_against_target
+    from ..target_sizes import check_against_target
 
-    config = DFlashConfig.from_dict(read_config(resolve_hf_source(path)))
-    check_against_target(config, backend_for(model).sizes_view(model))
+    sizes, _ = sizes_and_checksum(model)
+    check_against_target(DFlashConfig.from_dict(read_config(resolve_hf_source(path))), sizes)
 
 
 def shipped(kind: str) -> Callable[[Any], Any]:
@@ -247,11 +254,9 @@ def shipped(kind: str) -> Callable[[Any], Any]:
     None (drafters/trained/*/target.json says which kind and target each one is)."""
 
     def find(model):
-        from .dflash import find_shipped_drafter
+        from .shipped import find_shipped_drafter
 
-        backend = backend_for(model)
-        return find_shipped_drafter(backend.target_sizes(model),
-                                    lambda: backend.embedding_checksum(model), kind)
+        return find_shipped_drafter(*sizes_and_checksum(model), kind)
 
     return find
 

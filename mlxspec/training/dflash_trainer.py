@@ -26,7 +26,6 @@ on held-out prompts is measured by the real verification loop with the current d
 """
 
 import json
-import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,16 +33,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..drafters.dflash import (
-    DFlashDrafter,
-    _target_inner,
-    check_against_target,
-    target_embedding,
-    target_final_norm,
-    target_head,
-    target_sizes,
-)
-from ..backends.mlx.hidden_states import capture_layer_outputs, concat_features, decoder_layers
+from ..drafters.dflash import DFlashDrafter
+from ..backends.mlx.hidden_states import decoder_layers
 from ..models.dflash import (
     ARCHITECTURE,
     DRAFT_VOCAB_FILE,
@@ -53,8 +44,12 @@ from ..models.dflash import (
     check_weights,
     draft_vocab_json,
     read_weights,
+    training_mask,
 )
+from ..target_parts import target_embedding, target_final_norm, target_head, target_sizes
+from ..target_sizes import check_against_target
 from .data import _atomic_write_text, eos_ids
+from .features import head_weight, raw_features_of, sequence_features
 from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from here by callers)
     FIT_HORIZON,
     MLXTraining,
@@ -69,7 +64,6 @@ from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from 
     heldout_tau,
     prepare_data,
     schedule as _schedule,
-    torch_features,
     train,
     trainable_ids,
     write_checkpoint_files,
@@ -228,79 +222,7 @@ def growth_donors(target, have: int, layers: int) -> list[dict]:
             for i in range(have, layers)]
 
 
-# ---- Target features ----------------------------------------------------------------------
-
-
-def target_features(target, tokens, layer_ids, *, predictions: bool = False):
-    """(L, len(ids)*H) outputs of `layer_ids` for the whole sequence, as the inference path sees
-    them (the last target layer's output after the final norm). Layers past the deepest id and
-    the LM head are not run, unless `predictions`: then the whole target runs and the result is
-    (features, (L,) greedy next-token predictions)."""
-    inner = _target_inner(target)
-    layers = decoder_layers(target)
-    deepest = max(layer_ids)
-    inputs = mx.array(tokens, dtype=mx.int32)[None]
-    own_list = getattr(inner, "layers", None) is layers
-    predicted = None
-    with capture_layer_outputs(target, layer_ids) as outputs:
-        if predictions:
-            predicted = mx.argmax(target(inputs)[0], axis=-1)
-        elif own_list:
-            inner.layers = layers[: deepest + 1]  # stop after the deepest captured layer
-            try:
-                inner(inputs)
-            finally:
-                inner.layers = layers
-        else:
-            target(inputs)
-    features = concat_features(outputs)[0]
-    last = len(layers) - 1
-    if last in layer_ids:
-        H = features.shape[-1] // len(layer_ids)
-        norm = target_final_norm(target)
-        parts = [features[:, i * H : (i + 1) * H] for i in range(len(layer_ids))]
-        parts = [norm(p) if l == last else p for p, l in zip(parts, layer_ids)]
-        features = mx.concatenate(parts, axis=-1)
-    features = mx.stop_gradient(features)
-    return (features, predicted) if predictions else features
-
-
-def shifted_labels(tokens: list[int], predicted) -> list[int]:
-    """Labels by position from next-token predictions: position j's label is the prediction made
-    at j-1 (position 0 keeps its token; it is never a label)."""
-    return [int(tokens[0])] + [int(t) for t in np.asarray(predicted).tolist()[: len(tokens) - 1]]
-
-
 # ---- The training forward pass ------------------------------------------------------------
-
-
-def training_mask(anchors: mx.array, block_size: int, seq_len: int, *, causal: bool = False,
-                  window: int | None = None) -> mx.array:
-    """(N, bs, seq_len + bs) bool: what slot i of the block at anchor a sees.
-
-    Keys are the context positions 0..seq_len-1 followed by the block's own slots. Context p is
-    visible iff p < a (strictly before the anchor); other blocks are not keys at all. Causal
-    ("sliding_attention") layers see slots j <= i; a window keeps keys with |q - k| < window,
-    by absolute position (query a+i), as `models.dflash.block_mask` does at inference.
-    """
-    a = anchors.astype(mx.int32)[:, None, None]
-    i = mx.arange(block_size)[None, :, None]
-    p = mx.arange(seq_len)[None, None, :]
-    j = mx.arange(block_size)[None, None, :]
-    ctx = p < a
-    blk = mx.ones((1, block_size, block_size), dtype=mx.bool_)
-    if causal:
-        blk = blk & (j <= i)
-    if window is not None:
-        ctx = ctx & ((a + i) - p < window)
-        blk = blk & (i - j < window)
-        if not causal:
-            blk = blk & (j - i < window)
-    N = anchors.shape[0]
-    return mx.concatenate(
-        [mx.broadcast_to(ctx, (N, block_size, seq_len)),
-         mx.broadcast_to(blk, (N, block_size, block_size))], axis=-1
-    )
 
 
 def _attention(attn, x, ctx, anchors, rope, seq_len):
@@ -357,15 +279,6 @@ def training_logits(model, features, tokens, anchors, *, embed_tokens, lm_head):
     emb = mx.stop_gradient(embed_tokens(block) * args.input_embedding_scale)
     hidden = block_hidden(model, features, emb, anchors)[:, 1:]
     return model.compute_logits(hidden, lm_head)
-
-
-def head_weight(head) -> mx.array:
-    """(V, H) weight of an LM head module or of a tied embedding's `as_linear` (dequantized)."""
-    module = getattr(head, "__self__", head)
-    if hasattr(module, "scales"):
-        return mx.dequantize(module.weight, module.scales, module.get("biases"),
-                             group_size=module.group_size, bits=module.bits)
-    return module.weight
 
 
 class SubsetHead:
@@ -481,38 +394,6 @@ class MLXDFlashTraining(MLXTraining):
                           lm_head=self.head, gamma=self.gamma, labels=labels)
 
 
-def sequence_features(target, tokens: list[int], layer_ids, inv_scale, target_labels: bool):
-    """(scaled features, labels by position): with `target_labels` the target's teacher-forced
-    greedy predictions, else None (the tokens themselves)."""
-    labels = None
-    if target_labels:
-        feats, predicted = target_features(target, tokens, layer_ids, predictions=True)
-        labels = mx.array(shifted_labels(tokens, predicted), dtype=mx.int32)
-    else:
-        feats = target_features(target, tokens, layer_ids)
-    return (feats * inv_scale if inv_scale is not None else feats), labels
-
-
-def features_batch(target, sequences: list[list[int]], layer_ids, inv_scale, target_labels: bool,
-                   feature_target=None) -> list[tuple]:
-    """sequence_features of each sequence, from the MLX target or, given one, from a torch copy
-    of it (`feature_target`: one padded pass; ~4x faster on a Linux CPU)."""
-    if feature_target is None:
-        return [sequence_features(target, tokens, layer_ids, inv_scale, target_labels)
-                for tokens in sequences]
-    from ..backends.torch.dflash_training import target_features_batch
-
-    feats, predicted = target_features_batch(feature_target, sequences, layer_ids,
-                                             predictions=target_labels)
-    out = []
-    for b, tokens in enumerate(sequences):
-        f = mx.array(feats[b].cpu().numpy())
-        labels = None if predicted is None else mx.array(
-            shifted_labels(tokens, predicted[b].cpu().numpy()), dtype=mx.int32)
-        out.append((f * inv_scale if inv_scale is not None else f, labels))
-    return out
-
-
 class DFlashRecipe(Recipe):
     """DFlash (block drafting from target features): anchors drawn in the answer, blocks of
     `block_size`, slot weights exp(-(k-1)/gamma); see the module docstring."""
@@ -522,7 +403,7 @@ class DFlashRecipe(Recipe):
 
     def __init__(self, *, layers=None, block_size=16, target_layer_ids=None, anchors=64,
                  gamma=None, init="target", init_final_norm=False, mask_token_id=None,
-                 drafter_overrides=None, backend="mlx", torch_target=None, device=None):
+                 drafter_overrides=None, torch_training=None):
         if gamma is not None and not gamma > 0:
             raise ValueError(f"gamma (the slot weights' decay) must be > 0, got {gamma}")
         if layers is not None and layers < 1:
@@ -537,7 +418,7 @@ class DFlashRecipe(Recipe):
         self.anchors, self.gamma, self.init = anchors, gamma, init
         self.init_final_norm, self.mask_token_id = init_final_norm, mask_token_id
         self.drafter_overrides = drafter_overrides
-        self.backend, self.torch_target, self.device = backend, torch_target, device
+        self.torch_training = torch_training  # the torch backend's steps, or None: MLX's
 
     def check_growth(self, continued: Path | None) -> None:
         """Layers can be added to a drafter that exists, not removed."""
@@ -551,7 +432,7 @@ class DFlashRecipe(Recipe):
         if self.start_from is not None:  # continue a trained drafter (its config wins)
             config = json.loads((self.start_from / "config.json").read_text())
             config["torch_dtype"] = "float32"
-            check_against_target(DFlashConfig.from_dict(config), target)
+            check_against_target(DFlashConfig.from_dict(config), target_sizes(target))
         else:
             _, vocab, _ = target_sizes(target)
             mask_id = self.mask_token_id if self.mask_token_id is not None \
@@ -595,11 +476,8 @@ class DFlashRecipe(Recipe):
 
     def math(self, target, config, weights, **options):
         args = DFlashConfig.from_dict(config)
-        if self.backend == "torch":
-            from ..backends.torch.dflash_training import TorchDFlashTraining
-
-            return TorchDFlashTraining(self.torch_target, args, weights, device=self.device,
-                                       gamma=self.gamma, **options)
+        if self.torch_training is not None:
+            return self.torch_training.dflash_steps(args, weights, gamma=self.gamma, **options)
         return MLXDFlashTraining(target, args, weights, gamma=self.gamma, **options)
 
     def example(self, rng, tokens, prompt_len):
@@ -633,8 +511,7 @@ def train_dflash(
     drafter_overrides: dict | None = None,
     init_final_norm: bool = False,
     backend: str = "mlx",
-    torch_target=None,
-    device=None,
+    torch_training=None,
     **run_options,
 ) -> TrainResult:
     """Train (or with `resume`, continue training) a DFlash drafter for `target`; the checkpoint
@@ -662,10 +539,11 @@ def train_dflash(
     prediction at each position, teacher-forced: with responses="conversation" this trains on
     real answers at prefill cost while still teaching what the target would say; with the
     target's own greedy answers the two agree).
-    `backend="torch"`: the training steps run in torch on `torch_target` (the same weights as a
-    transformers model, `mlxspec.load(..., backend="torch")`; ~2.5x faster on this CPU, and CUDA
-    with `device`); the checkpoint, the data and the held-out τ (measured on the MLX target)
-    are the same. A run resumes on the backend it started with.
+    `backend="torch"`: the training steps run in torch, handed in as `torch_training` (a
+    `mlxspec.backends.torch.dflash_training.TorchTraining` of the same weights as a transformers
+    model, `mlxspec.load(..., backend="torch")`; ~2.5x faster on this CPU, and CUDA with its
+    `device`); the checkpoint, the data and the held-out τ (measured on the MLX target) are the
+    same. A run resumes on the backend it started with.
     """
     run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, backend=backend,
                       **run_options)
@@ -674,18 +552,14 @@ def train_dflash(
     recipe = DFlashRecipe(layers=layers, block_size=block_size, target_layer_ids=target_layer_ids,
                           anchors=anchors, gamma=gamma, init=init, init_final_norm=init_final_norm,
                           mask_token_id=mask_token_id, drafter_overrides=drafter_overrides,
-                          backend=backend, torch_target=torch_target, device=device)
+                          torch_training=torch_training if backend == "torch" else None)
     run.check()
     recipe.check_growth(run.out if run.resume else recipe.start_from)
     raw_features = None
     if backend == "torch":
-        if torch_target is None:
-            if target is not None and not isinstance(target, (str, os.PathLike)):
-                raise ValueError("backend='torch' needs torch_target=, the target loaded with "
-                                 "mlxspec.load(..., backend='torch')")
-            from ..loading import load
-
-            recipe.torch_target = load(target, backend="torch", device=device,
-                                       torch_dtype="float32")[0]
-        raw_features = torch_features(recipe.torch_target)  # the backend that trains, its own
+        if torch_training is None:
+            raise ValueError("backend='torch' needs torch_training=, mlxspec.backends.torch."
+                             "dflash_training.TorchTraining(the target loaded with "
+                             "mlxspec.load(..., backend='torch'))")
+        raw_features = raw_features_of(torch_training.features)  # the backend that trains
     return train(recipe, target, run, raw_features=raw_features)

@@ -28,11 +28,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..drafters.dflash import target_embedding, target_final_norm, target_head, target_sizes
 from ..drafters.eagle3 import Eagle3Drafter
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
-from .dflash_trainer import features_batch, head_weight
+from ..target_parts import target_embedding, target_final_norm, target_head, target_sizes
+from .features import features_batch, head_weight, raw_features_of
 from .run import (
     MLXTraining,
     Recipe,
@@ -40,7 +40,6 @@ from .run import (
     TrainResult,
     fold_feature_scale,
     predictions_ahead,
-    torch_features,
     train,
     write_checkpoint_files,
 )
@@ -172,9 +171,9 @@ class MLXEagle3Training(MLXTraining):
 
     def __init__(self, target, args: Eagle3Config, weights: dict, *, schedule, weight_decay,
                  grad_clip, loss_ids, inv_scale, labels="text", steps=TTT_STEPS,
-                 decay=STEP_DECAY, feature_target=None):
+                 decay=STEP_DECAY, feature_pass=None):
         self.target, self.args, self.grad_clip = target, args, grad_clip
-        self.feature_target = feature_target  # a torch copy of the target, or None
+        self.feature_pass = feature_pass  # the torch backend's, or None: the MLX target's
         self.inv_scale, self.target_labels = inv_scale, labels == "target"
         self.steps, self.decay = steps, decay
         self.layers = args.capture_layers(len(decoder_layers(target)))
@@ -188,7 +187,7 @@ class MLXEagle3Training(MLXTraining):
 
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
         return features_batch(self.target, sequences, self.layers, self.inv_scale,
-                              self.target_labels, self.feature_target)
+                              self.target_labels, self.feature_pass)
 
     def sequence_loss(self, features, tokens, prompt_len):
         feats, labels = features
@@ -235,7 +234,7 @@ class Eagle3Recipe(Recipe):
     state_keys = ("ttt_steps", "decay")
 
     def __init__(self, *, ttt_steps: int | None = None, decay: float | None = None,
-                 aux_layer_ids=None, speculative_tokens: int = 4, feature_target=None):
+                 aux_layer_ids=None, speculative_tokens: int = 4, feature_pass=None):
         if ttt_steps is not None and ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if decay is not None and not 0 < decay <= 1:
@@ -244,7 +243,7 @@ class Eagle3Recipe(Recipe):
             raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
         self.ttt_steps, self.decay = ttt_steps, decay
         self.aux_layer_ids, self.speculative_tokens = aux_layer_ids, speculative_tokens
-        self.feature_target = feature_target
+        self.feature_pass = feature_pass
 
     def config(self, target, tokenizer, run, loss_ids):
         _, vocab, layers = target_sizes(target)
@@ -277,7 +276,7 @@ class Eagle3Recipe(Recipe):
     def math(self, target, config, weights, **options):
         return MLXEagle3Training(target, Eagle3Config.from_dict(config), weights,
                                  steps=self.ttt_steps, decay=self.decay,
-                                 feature_target=self.feature_target, **options)
+                                 feature_pass=self.feature_pass, **options)
 
     def example(self, rng, tokens, prompt_len):
         return predictions_ahead(tokens, prompt_len, self.ttt_steps)
@@ -295,7 +294,7 @@ class Eagle3Recipe(Recipe):
 
 def train_eagle3(target, prompts, out, *, tokenizer=None, ttt_steps: int | None = None,
                  decay: float | None = None, aux_layer_ids=None, speculative_tokens: int = 4,
-                 feature_target=None, **run_options) -> TrainResult:
+                 feature_pass=None, **run_options) -> TrainResult:
     """Train (or with `resume`, continue) an EAGLE-3 drafter for the MLX `target`; the
     checkpoint in `out` loads with `load_drafter("eagle3", out, model=target)`.
 
@@ -304,14 +303,15 @@ def train_eagle3(target, prompts, out, *, tokenizer=None, ttt_steps: int | None 
     states fused (speculators' counting, default [2, L/2, L-3]); `speculative_tokens`: the chain
     length the config suggests and held-out τ uses. `loss_vocab` (a `RunSettings` option, as all
     others: steps, lr, resume, minutes, ...) is the draft vocabulary's size (d2t); default the
-    whole vocabulary. `feature_target`: a torch copy of the target (`mlxspec.load(...,
-    backend="torch")`) that computes the frozen target's features and labels instead of the MLX
-    one (the drafter's steps stay on MLX; same features within float32 rounding).
+    whole vocabulary. `feature_pass`: the frozen target's features and labels from elsewhere
+    than the MLX target (mlxspec.training.features; the torch backend's
+    `TorchTraining(target).features` over `mlxspec.load(..., backend="torch")`): the drafter's
+    steps stay on MLX, the features equal within float32 rounding.
     """
     recipe = Eagle3Recipe(ttt_steps=ttt_steps, decay=decay, aux_layer_ids=aux_layer_ids,
-                          speculative_tokens=speculative_tokens, feature_target=feature_target)
+                          speculative_tokens=speculative_tokens, feature_pass=feature_pass)
     run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, **run_options)
     if run.backend != "mlx":
         raise ValueError("EAGLE-3 training runs on the MLX backend only")
-    raw_features = torch_features(feature_target) if feature_target is not None else None
+    raw_features = raw_features_of(feature_pass) if feature_pass is not None else None
     return train(recipe, target, run, raw_features=raw_features)

@@ -19,11 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafters.dflash import target_head, target_sizes
 from ..drafters.medusa import MedusaDrafter
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.medusa import WEIGHTS, MedusaHeads, parameter_name, published_weights
-from .dflash_trainer import features_batch, head_weight
+from ..target_parts import target_head, target_sizes
+from .features import features_batch, head_weight, raw_features_of
 from .eagle3_trainer import answer_labels, label_map_of
 from .run import (
     MLXTraining,
@@ -31,7 +31,6 @@ from .run import (
     RunSettings,
     TrainResult,
     predictions_ahead,
-    torch_features,
     train,
     write_checkpoint_files,
 )
@@ -58,8 +57,8 @@ class MLXMedusaTraining(MLXTraining):
     """Medusa-1's training math on MLX: target features, and one sequence's loss over heads."""
 
     def __init__(self, target, config: dict, weights: dict, *, schedule, weight_decay, grad_clip,
-                 loss_ids, inv_scale, labels="text", feature_target=None):
-        self.target, self.grad_clip, self.feature_target = target, grad_clip, feature_target
+                 loss_ids, inv_scale, labels="text", feature_pass=None):
+        self.target, self.grad_clip, self.feature_pass = target, grad_clip, feature_pass
         self.target_labels = labels == "target"
         self.layers = [len(decoder_layers(target)) - 1]
         _, vocab, _ = target_sizes(target)
@@ -73,7 +72,7 @@ class MLXMedusaTraining(MLXTraining):
 
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
         return features_batch(self.target, sequences, self.layers, None, self.target_labels,
-                              self.feature_target)
+                              self.feature_pass)
 
     def sequence_loss(self, features, tokens, prompt_len):
         hidden, labels = features
@@ -134,12 +133,12 @@ class MedusaRecipe(Recipe):
     state_keys = ("num_heads", "num_layers", "own_projection")
 
     def __init__(self, *, num_heads: int | None = None, num_layers: int | None = None,
-                 own_projection: bool | None = None, feature_target=None):
+                 own_projection: bool | None = None, feature_pass=None):
         for name, value, least in (("num_heads", num_heads, 1), ("num_layers", num_layers, 1)):
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         self.num_heads, self.num_layers = num_heads, num_layers
-        self.own_projection, self.feature_target = own_projection, feature_target
+        self.own_projection, self.feature_pass = own_projection, feature_pass
 
     def config(self, target, tokenizer, run, loss_ids):
         self.num_heads = self.num_heads or NUM_HEADS
@@ -171,7 +170,7 @@ class MedusaRecipe(Recipe):
     def math(self, target, config, weights, **options):
         self.target = target  # write() fills own projections' untrained rows from its head
         return MLXMedusaTraining(target, self.settings(config), weights,
-                                 feature_target=self.feature_target, **options)
+                                 feature_pass=self.feature_pass, **options)
 
     def example(self, rng, tokens, prompt_len):
         return predictions_ahead(tokens, prompt_len, self.num_heads)
@@ -197,7 +196,7 @@ class MedusaRecipe(Recipe):
 
 def train_medusa(target, prompts, out, *, tokenizer=None, num_heads: int | None = None,
                  num_layers: int | None = None, own_projection: bool | None = None,
-                 feature_target=None, **run_options) -> TrainResult:
+                 feature_pass=None, **run_options) -> TrainResult:
     """Train (or with `resume`, continue) Medusa-1 heads for the MLX `target`; the checkpoint in
     `out` (config.json + medusa_lm_head.safetensors) loads with `load_drafter("medusa", out,
     model=target)`.
@@ -206,14 +205,14 @@ def train_medusa(target, prompts, out, *, tokenizer=None, num_heads: int | None 
     blocks per head (1); `own_projection`: each head trains its own projection (Medusa-1's)
     instead of sharing the target's frozen head (the default, cheaper on a CPU). `loss_vocab`
     (a `RunSettings` option, as steps, lr, resume, minutes, ...): the loss's vocabulary, the N
-    most frequent answer tokens. `feature_target`: a torch copy of the target that computes
-    the frozen target's hidden states instead of the MLX one.
+    most frequent answer tokens. `feature_pass`: the frozen target's hidden states from
+    elsewhere than the MLX target (the torch backend's `TorchTraining(target).features`).
     """
     recipe = MedusaRecipe(num_heads=num_heads, num_layers=num_layers,
-                          own_projection=own_projection, feature_target=feature_target)
+                          own_projection=own_projection, feature_pass=feature_pass)
     run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, normalize_features=False,
                       **run_options)
     if run.backend != "mlx":
         raise ValueError("Medusa training runs on the MLX backend only")
-    raw_features = torch_features(feature_target) if feature_target is not None else None
+    raw_features = raw_features_of(feature_pass) if feature_pass is not None else None
     return train(recipe, target, run, raw_features=raw_features)

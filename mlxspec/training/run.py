@@ -26,8 +26,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafters.dflash import target_embedding, target_sizes
 from ..generate import check_count
+from ..target_parts import embedding_checksum, target_embedding, target_sizes
 from .data import (
     SequenceStore,
     _atomic_save_safetensors,
@@ -39,6 +39,7 @@ from .data import (
     load_examples,
     split_heldout,
 )
+from .features import target_features
 
 FIT_HORIZON = 10**9  # the provisional schedule length while a time-fitted run times its warmup
 FIT_MIN_STEPS = 4  # steps timed at least before fitting
@@ -417,7 +418,6 @@ def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfl
     any, and target.json, which names the drafter kind and the target it was trained for (sizes
     and embedding checksum) so that `--drafter KIND` finds it for that target only.
     `weights_file`: the checkpoint's tensors (Medusa's are medusa_lm_head.safetensors)."""
-    from ..drafters.dflash import embedding_checksum
     from ..models.dflash import DRAFT_VOCAB_FILE
 
     run_dir, dest = Path(run_dir), Path(dest)
@@ -439,15 +439,6 @@ def package_drafter(run_dir, dest, target, *, kind: str = "dflash", dtype=mx.bfl
         "embedding_checksum": embedding_checksum(target), **(notes or {}),
     }, indent=2) + "\n")
     return dest
-
-
-def torch_features(torch_target):
-    """`train`'s raw_features from a torch copy of the target (the feature scale is then measured
-    on the features the training steps will see)."""
-    from ..backends.torch.dflash_training import target_features
-
-    return lambda tokens, layers: mx.array(
-        target_features(torch_target, tokens, layers)[0].cpu().numpy())
 
 
 def heldout_tau(target, drafter, prompts: list[list[int]], *, tokenizer=None,
@@ -493,8 +484,6 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
     """Train (or with `run.resume`, continue) `recipe`'s drafter for the MLX `target`.
     `raw_features(tokens, layers)`: the target features the feature scale is measured on, when
     the training steps run elsewhere (torch); default the MLX target's."""
-    from .dflash_trainer import target_features
-
     run.check()
     out, state_dir, steps = run.out, run.state_dir, run.steps
     fit_to_time = steps is None and run.minutes is not None

@@ -22,14 +22,12 @@ __all__ = [
     "TorchTarget",
     "context_length",
     "describe",
-    "embedding_checksum",
     "load",
     "load_dflash_drafter",
     "loader",
     "peak_memory_gb",
     "run_steps",
     "seed",
-    "target_sizes",
     "vocab_size",
 ]
 
@@ -48,17 +46,6 @@ def peak_memory_gb(model) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return 0.0
-
-
-def target_sizes(model) -> tuple[int, int, int]:
-    """(hidden size, vocab size, decoder layers) of a transformers model, from its config."""
-    config = model.config
-    return config.hidden_size, config.vocab_size, config.num_hidden_layers
-
-
-def embedding_checksum(model) -> float:
-    """Sum of the first 8 embedding rows, as the MLX backend's (mlxspec.drafters.dflash)."""
-    return float(model.get_input_embeddings().weight[:8].float().sum().item())
 
 
 def describe(model) -> str:

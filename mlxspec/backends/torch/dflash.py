@@ -10,19 +10,19 @@ in a per-layer cache at their true positions. Block K/V are transient.
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...drafters.dflash import check_against_target, check_block_size, check_tree
+from ...drafters.dflash import check_block_size
 from ...engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ...file_checks import check_safetensors
 from ...models.dflash import DFlashConfig, read_config, read_draft_vocab
 from ...sampling import SamplingConfig
-from ...tree import best_first_drafts
-from .target import decoder_layers, model_device
+from ...target_sizes import check_against_target
+from ...tree import best_first_drafts, check_tree
+from .target import decoder_layers, model_device, target_sizes
 from .transfer import host_tokens
 
 
@@ -420,18 +420,6 @@ def build_checked(args: DFlashConfig, weights: dict[str, torch.Tensor]) -> DFlas
     return model.eval().requires_grad_(False)
 
 
-def _sizes_view(model) -> SimpleNamespace:
-    """The few attributes mlxspec.drafters.dflash.check_against_target reads of an mlx-lm model,
-    taken from a transformers one, so both backends refuse a mismatched drafter in one voice."""
-    embed = model.get_input_embeddings()
-    vocab, hidden = embed.weight.shape
-    return SimpleNamespace(
-        embed_tokens=SimpleNamespace(weight=SimpleNamespace(shape=(vocab, hidden))),
-        args=SimpleNamespace(hidden_size=getattr(model.config, "hidden_size", hidden)),
-        layers=[None] * len(decoder_layers(model)),
-    )
-
-
 def final_norm_of(model):
     inner = getattr(model, "model", model)
     return getattr(inner, "norm", None)
@@ -450,7 +438,7 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
 
         path = resolve_hf_source(str(path))
     args = DFlashConfig.from_dict(read_config(path))
-    check_against_target(args, _sizes_view(model))
+    check_against_target(args, target_sizes(model))
     check_block_size(block_size, args.block_size)
     vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
     device = model_device(model)

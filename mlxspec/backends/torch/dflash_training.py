@@ -1,4 +1,5 @@
-"""DFlash training steps in torch: the twin of mlxspec.training.dflash_trainer.MLXDFlashTraining.
+"""DFlash training steps in torch: the twin of mlxspec.training.dflash_trainer.MLXDFlashTraining,
+and the torch target's feature pass, which feeds any trainer's MLX steps (`TorchTraining`).
 
 Same recipe and the same checkpoint (the loop, data, feature scale, reduced loss vocabulary,
 held-out τ and checkpoint writing are `train_dflash`'s); only the tensor math is here. On this
@@ -15,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._blas import openblas_single_thread
-from ...models.dflash import DFlashConfig
-from ...training.dflash_trainer import training_mask
+from ...models.dflash import DFlashConfig, training_mask
 from .dflash import DFlashModel
 from .target import capture_layer_outputs, decoder_layers, model_device
 
@@ -65,20 +65,15 @@ def block_hidden(model: DFlashModel, features, block_embeddings, anchors, masks)
     return model.norm(h)
 
 
-def target_features(target, tokens: list[int], layer_ids, *, predictions: bool = False):
-    """(features (L, len(ids)*H) float32, greedy predictions (L,) or None) of the torch target
-    over `tokens`, as the MLX `target_features`: layers past the deepest id are skipped unless
-    the predictions need the whole model; the last layer's output is final-normed."""
-    feats, predicted = target_features_batch(target, [tokens], layer_ids, predictions=predictions)
-    return feats[0], None if predicted is None else predicted[0]
-
-
 @torch.no_grad()
 @openblas_single_thread()
 def target_features_batch(target, sequences: list[list[int]], layer_ids, *,
                           predictions: bool = False):
-    """`target_features` of each sequence (two lists), from one padded pass: padding sits after
-    each sequence, where a causal model never looks back from, so it needs no mask."""
+    """(features (L, len(ids)*H) float32, greedy predictions (L,) or None) of the torch target
+    over each sequence (two lists), as mlxspec.training.features.target_features: layers past
+    the deepest id are skipped unless the predictions need the whole model; the last layer's
+    output is final-normed. One padded pass: padding sits after each sequence, where a causal
+    model never looks back from, so it needs no mask."""
     inner, device = target.model, model_device(target)
     full = inner.layers
     last = len(decoder_layers(target)) - 1
@@ -99,6 +94,27 @@ def target_features_batch(target, sequences: list[list[int]], layer_ids, *,
     lengths = [len(t) for t in sequences]
     return ([feats[b, :n] for b, n in enumerate(lengths)],
             None if predicted is None else [predicted[b, :n] for b, n in enumerate(lengths)])
+
+
+class TorchTraining:
+    """The torch backend's part in a training run, handed to a trainer by the caller that chose
+    torch: the frozen target's feature pass (a trainer's `feature_pass`, see
+    mlxspec.training.features) and DFlash's training steps. `target`: a transformers model
+    (float32, `mlxspec.load(..., backend="torch")`); `device`: where the steps run (default the
+    target's)."""
+
+    def __init__(self, target, device=None):
+        self.target, self.device = target, device
+
+    def features(self, sequences: list[list[int]], layer_ids, *, predictions: bool = False):
+        """(per sequence: features (L, len(ids)*H), predictions (L,) or None) as host arrays."""
+        feats, predicted = target_features_batch(self.target, sequences, layer_ids,
+                                                 predictions=predictions)
+        return ([f.cpu().numpy() for f in feats],
+                None if predicted is None else [p.cpu().numpy() for p in predicted])
+
+    def dflash_steps(self, args: DFlashConfig, weights: dict, **options) -> "TorchDFlashTraining":
+        return TorchDFlashTraining(self.target, args, weights, device=self.device, **options)
 
 
 @contextmanager

@@ -31,13 +31,13 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from ...drafters.eagle3 import Eagle3Drafting, check_tree_options
-from ...drafters.eagle3_loading import read_checkpoint, sizes_of, use_target_parts
+from ...drafters.eagle3_loading import read_checkpoint, use_target_parts
 from ...drafters.paired import PairedDrafting
 from ...models.eagle3 import Eagle3Config
 from ...sampling import SamplingConfig
 from .dflash import _WeightHead, block_mask, read_weights
 from .sampling import categorical, processed_logprobs
-from .target import additive, cache_length, crop, decoder_layers, model_device
+from .target import additive, cache_length, crop, decoder_layers, model_device, target_sizes
 from .transfer import host_tokens
 
 
@@ -262,7 +262,7 @@ def load_eagle3_drafter(path, *, model, tokenizer=None, tree_budget: int | None 
     `tree_budget`: draft EAGLE-2's dynamic tree of up to this many nodes, `tree_width`
     children per node and `tree_depth` levels, instead of a chain."""
     check_tree_options(tree_budget, tree_width, tree_depth)
-    device, dtype, sizes = model_device(model), model.dtype, sizes_of(model)
+    device, dtype, sizes = model_device(model), model.dtype, target_sizes(model)
     args, drafter, weights, d2t = read_checkpoint(
         path, sizes, read_tensors=lambda p: read_weights(p, device), build=_meta_model,
         is_integer=_is_integer)
@@ -275,7 +275,6 @@ def load_eagle3_drafter(path, *, model, tokenizer=None, tree_budget: int | None 
                      embedding=model.get_input_embeddings(), head=model.get_output_embeddings(),
                      as_head=lambda embedding: _WeightHead(embedding.weight))
     drafter.eval().requires_grad_(False)
-    vocab = sizes.embed_tokens.weight.shape[0]
     return TorchEagle3Drafter(drafter, num_target_layers=len(decoder_layers(model)),
-                              target_vocab=vocab, tree_budget=tree_budget,
+                              target_vocab=sizes.vocab_size, tree_budget=tree_budget,
                               tree_width=tree_width, tree_depth=tree_depth)

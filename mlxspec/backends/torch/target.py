@@ -22,6 +22,7 @@ import torch
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
 from ...sampling import SamplingConfig
+from ...target_sizes import TargetSizes
 from ...tree import TreeShape
 from .acceptance import accept_greedy, accept_sampled
 from .sampling import reported_logprobs, sample_token
@@ -195,6 +196,19 @@ def decoder_layers(model) -> list:
         if isinstance(layers, torch.nn.ModuleList):
             return list(layers)
     raise ValueError(f"{type(model).__name__} has no list of decoder layers to capture from")
+
+
+def target_sizes(model) -> TargetSizes:
+    """(hidden size, vocab size, decoder layers) of a transformers model, read as the MLX
+    backend's target_parts.target_sizes reads them, so drafter checks speak in one voice."""
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    hidden = getattr(model.config, "hidden_size", hidden)
+    return TargetSizes(int(hidden), int(vocab), len(decoder_layers(model)))
+
+
+def embedding_checksum(model) -> float:
+    """Sum of the first 8 embedding rows, as target_parts.embedding_checksum."""
+    return float(model.get_input_embeddings().weight[:8].float().sum().item())
 
 
 def _first(output):
