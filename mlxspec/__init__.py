@@ -16,9 +16,10 @@ preload_openblas()  # before anything imports mlx.core
 
 from .drafters import load_drafter  # noqa: E402
 from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
-from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
+from .generate import GenerationResponse, generate, stream_generate, stream_request  # noqa: E402
 from .loading import BACKENDS, load  # noqa: E402
 from .mlx_backend import PromptCache  # noqa: E402
+from .request import Request  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "Drafter",
     "GenerationResponse",
     "PromptCache",
+    "Request",
     "SamplingConfig",
     "SlowBlasWarning",
     "SpecStats",
@@ -37,4 +39,5 @@ __all__ = [
     "load",
     "load_drafter",
     "stream_generate",
+    "stream_request",
 ]

@@ -202,7 +202,7 @@ def _llama_cpp(peer, tokenizer, prompt, max_tokens, temp, seed, result):
 def check_counts(**counts) -> None:
     """Each count a positive integer (None: the default), before any prompt runs: --limit -1
     once ran every prompt and --limit 0 none, with exit status 0."""
-    from .generate import check_count
+    from .request import check_count
 
     for name, value in counts.items():
         if value is not None:

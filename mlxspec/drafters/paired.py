@@ -27,7 +27,7 @@ import math
 import mlx.core as mx
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ..generate import check_count
+from ..request import check_count
 from ..sampling import SamplingConfig, processed_logprobs
 from .dflash import check_tree
 

@@ -32,7 +32,7 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     A request's num_draft may be at most `max_num_draft` (and the drafter's own maximum caps
     what a step verifies)."""
     _require_server_extra()
-    from ..generate import check_count
+    from ..request import check_count
 
     check_count("max_num_draft", max_num_draft)
     from ..drafters import LookupFirstDrafter, PromptLookupDrafter, load_drafter

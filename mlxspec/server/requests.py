@@ -10,7 +10,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..generate import MAX_LOGPROBS, encode_prompt
+from ..generate import encode_prompt
+from ..request import MAX_LOGPROBS
 from ..sampling import SamplingConfig, check_seed
 
 # Fields both endpoints honour: OpenAI's, then mlxspec's own (drafter, num_draft, top_k, min_p;

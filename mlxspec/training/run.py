@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafters.dflash import target_embedding, target_sizes
-from ..generate import check_count
+from ..request import check_count
 from .data import (
     SequenceStore,
     _atomic_save_safetensors,
