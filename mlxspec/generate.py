@@ -269,8 +269,8 @@ def open_session(make_target, *, model, tokenizer, drafter, request: Request, pr
     from .drafters import resolve_drafter
 
     drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
-    # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
     num_draft = request.num_draft or drafter.default_num_draft
+    # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
     max_draft = draft_limit(drafter, num_draft)
     kept = None if drafter.capture_layers else prompt_cache
     target = make_target(model, capture_layers=drafter.capture_layers, speculative=max_draft > 0,
