@@ -124,19 +124,23 @@ def _drafter_option_flags() -> list:
             for o in registry.drafter_options()]
 
 
-def _check_decoding(num_draft, max_tokens, drafter="none", draft_model=None, options=None,
-                    **sampling):
-    """Every decoding option checked before a model loads (chat: before the REPL starts);
-    `options` are the drafter options' flags (block_size=..., draft_vocab=...)."""
+def _request(max_tokens, num_draft=None, adaptive=True, **sampling):
+    """The generation's Request from the flags, checked before a model loads (chat: before the
+    REPL starts); a refused value names its flag."""
+    from mlxspec.request import Request
     from mlxspec.sampling import SamplingConfig
 
     try:
-        SamplingConfig(**sampling)
-    except ValueError as err:
+        return Request(max_tokens, SamplingConfig(**sampling), num_draft=num_draft,
+                       adaptive=adaptive)
+    except (TypeError, ValueError) as err:
         name = str(err).split()[0]
         raise click.BadParameter(str(err), param_hint=f"--{name.replace('_', '-')}") from None
-    if num_draft is not None and num_draft < 1:
-        raise click.BadParameter(f"must be >= 1, got {num_draft}", param_hint="--num-draft")
+
+
+def _check_drafter(drafter, draft_model, options):
+    """The drafter flags checked before a model loads; `options` are the drafter options'
+    flags (block_size=..., draft_vocab=...)."""
     kind = registry.drafter_kind(drafter)
     checkpoint = kind.checkpoint
     if checkpoint is not None and checkpoint.shipped is None and not draft_model:
@@ -145,7 +149,7 @@ def _check_decoding(num_draft, max_tokens, drafter="none", draft_model=None, opt
     if draft_model and checkpoint is None:
         raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
     for option in registry.drafter_options():
-        value = (options or {}).get(option.name, option.default)
+        value = options.get(option.name, option.default)
         problem = option.problem(value)
         if problem:
             raise click.BadParameter(problem, param_hint=option.flag_for(value))
@@ -153,8 +157,6 @@ def _check_decoding(num_draft, max_tokens, drafter="none", draft_model=None, opt
             takers = " or ".join(registry.takers(option))
             raise click.BadParameter(f"only applies to --drafter {takers}",
                                      param_hint=option.flag_for(value))
-    if max_tokens < 1:
-        raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
 
 
 def _config_before_loading(folder) -> dict | None:
@@ -329,8 +331,9 @@ def generate(prompt, model, dtype, backend, device, shard, drafter, draft_model,
         raise click.BadParameter(str(err), param_hint="--prompt") from None
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    _check_decoding(num_draft, max_tokens, drafter, draft_model, drafter_options,
-                    temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    request = _request(max_tokens, num_draft, adaptive, temp=temp, top_p=top_p, top_k=top_k,
+                       min_p=min_p, seed=seed)
+    _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
     _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
@@ -339,10 +342,7 @@ def generate(prompt, model, dtype, backend, device, shard, drafter, draft_model,
     try:
         text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
                             no_chat_template, _template_name(target))
-        for last in mlxspec.stream_generate(
-            target, tokenizer, text, max_tokens, drafter=spec, num_draft=num_draft,
-            adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-        ):
+        for last in mlxspec.stream_request(target, tokenizer, text, request, drafter=spec):
             click.echo(last.text, nl=False)
     except (ValueError, DistributedError) as err:
         _fail(err)
@@ -366,8 +366,9 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
     from mlxspec.backends import backend_for
     from mlxspec.generate import check_utf8
 
-    _check_decoding(num_draft, max_tokens, drafter, draft_model, drafter_options,
-                    temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    request = _request(max_tokens, num_draft, adaptive, temp=temp, top_p=top_p, top_k=top_k,
+                       min_p=min_p, seed=seed)
+    _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
     _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
@@ -406,11 +407,8 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
         try:
             prompt = build_prompt(tokenizer, _messages(system, history), no_chat_template,
                                   template)
-            for last in mlxspec.stream_generate(
-                target, tokenizer, prompt, max_tokens, drafter=spec, num_draft=num_draft,
-                adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                prompt_cache=prompt_cache,
-            ):
+            for last in mlxspec.stream_request(target, tokenizer, prompt, request, drafter=spec,
+                                               prompt_cache=prompt_cache):
                 reply += last.text
                 shown = click.style(last.text, fg="cyan") if color and last.from_draft else last.text
                 click.echo(shown, nl=False)
@@ -571,7 +569,7 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
         raise click.BadParameter(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}",
                                  param_hint="--suite")
     for temp in temps:
-        _check_decoding(None, max_tokens, temp=temp)
+        _request(max_tokens, temp=temp)
     if overhead:
         return _bench_overhead(model, dtype, backend, drafters, suites, temps, max_tokens, limit,
                                out, markdown, plot)

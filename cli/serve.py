@@ -8,7 +8,7 @@ from mlxspec.cli.main import (
     DrafterChoice,
     _backend_line,
     _check_backend,
-    _check_decoding,
+    _check_drafter,
     _drafter_option_flags,
     _fail,
     _options_for,
@@ -82,7 +82,7 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
         _fail(err)
     if warning:
         click.echo(warning, err=True)
-    _check_decoding(None, 1, drafter, draft_model, drafter_options)
+    _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
     try:
         _require_server_extra()

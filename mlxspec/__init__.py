@@ -18,8 +18,9 @@ from .backends import BACKENDS  # noqa: E402
 from .backends.mlx.target import PromptCache  # noqa: E402
 from .drafters import load_drafter  # noqa: E402
 from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
-from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
+from .generate import GenerationResponse, generate, stream_generate, stream_request  # noqa: E402
 from .loading import load  # noqa: E402
+from .request import Request  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "Drafter",
     "GenerationResponse",
     "PromptCache",
+    "Request",
     "SamplingConfig",
     "SlowBlasWarning",
     "SpecStats",
@@ -38,4 +40,5 @@ __all__ = [
     "load",
     "load_drafter",
     "stream_generate",
+    "stream_request",
 ]

@@ -16,11 +16,13 @@ from functools import partial
 import mlx.core as mx
 
 from . import _blas
-from .generate import encode_prompt, stream_generate
+from .generate import encode_prompt, stream_request
 from .intervals import paired_ratio, paired_tau_ratio, tau, tau_interval
 from .peers import LlamaCppPeer, llama_cpp_missing
 from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
+from .request import Request, check_count
 from .rollback import recurrent_layers, restore, snapshot, trim_attention
+from .sampling import SamplingConfig
 
 SUITES = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts, "copy": copy_prompts}
 
@@ -106,10 +108,11 @@ class RunResult:
 
 def _ours(model, tokenizer, prompt, max_tokens, temp, seed, result, *, drafter, num_draft,
           adaptive=True):
+    request = Request(max_tokens, SamplingConfig(temp=temp, seed=seed), num_draft=num_draft,
+                      adaptive=adaptive)
     start = time.perf_counter()
     first = last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens, drafter=drafter,
-                                num_draft=num_draft, adaptive=adaptive, temp=temp, seed=seed):
+    for last in stream_request(model, tokenizer, prompt, request, drafter=drafter):
         if first is None:
             first = time.perf_counter()
     end = time.perf_counter()
@@ -202,8 +205,6 @@ def _llama_cpp(peer, tokenizer, prompt, max_tokens, temp, seed, result):
 def check_counts(**counts) -> None:
     """Each count a positive integer (None: the default), before any prompt runs: --limit -1
     once ran every prompt and --limit 0 none, with exit status 0."""
-    from .generate import check_count
-
     for name, value in counts.items():
         if value is not None:
             check_count(name, value)

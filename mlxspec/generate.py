@@ -2,16 +2,18 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from functools import partial
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .backends import Backend, backend_for
 from .backends.mlx.target import PromptCache
-from .distributed import DistributedError, LeaderTarget, cache_slot, follower, stage_of
+from .distributed import follow_generation, leading
 from .engine import Drafter, SpecStats, draft_limit, speculative_tokens
 from .generation_lock import one_generation_per_model
+from .request import Request
 from .sampling import SamplingConfig, is_integer
 
 
@@ -50,24 +52,10 @@ class GenerationResponse:
     # and waiting for their results; the rest of the time was host work between them.
     launch_seconds: float = 0.0
     wait_seconds: float = 0.0
-    # With stream_generate's `logprobs` n: `token`'s log-probability and the n likeliest tokens
+    # With the request's `logprobs` n: `token`'s log-probability and the n likeliest tokens
     # with theirs, best first (tokens of probability 0 left out); None and [] without.
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-
-
-MAX_LOGPROBS = 20  # OpenAI's most top_logprobs per token
-
-
-def check_logprobs(logprobs) -> None:
-    """`logprobs` of stream_generate: None, or how many likeliest tokens to list (0 to 20)."""
-    if logprobs is None:
-        return
-    if not is_integer(logprobs):
-        raise TypeError(f"logprobs must be an integer or None, got {logprobs!r} "
-                        f"({type(logprobs).__name__})")
-    if not 0 <= logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> list[int]:
@@ -98,20 +86,11 @@ def check_utf8(text: str, what: str) -> str:
     return text
 
 
-def check_count(name: str, value, minimum: int = 1) -> None:
-    """An integer option (max_tokens, num_draft) of the right type and size, before any work."""
-    if not is_integer(value):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
 def check_request(parts: Backend, model, prompt_tokens: list[int], max_tokens: int) -> None:
     """Reject requests that cannot succeed, before any compute: an out-of-vocabulary id would
     read past the embedding table (a crash, or silent garbage)."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty")
-    check_count("max_tokens", max_tokens)
     vocab = parts.vocab_size(model)
     bad = next((t for t in prompt_tokens if not 0 <= t < vocab), None)
     if bad is not None:
@@ -131,120 +110,154 @@ def _as_wrapper(tokenizer) -> TokenizerWrapper:
     return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
 
 
-@one_generation_per_model  # safe from several threads: they take turns
 def stream_generate(
-    model,
-    tokenizer,
-    prompt: str | Sequence[int],
-    max_tokens: int = 256,
-    *,
-    drafter: Drafter | str | None = None,
-    num_draft: int | None = None,
-    adaptive: bool = True,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    prompt_cache: PromptCache | None = None,
-    backend: str | None = None,
-    overlap: bool = True,
-    logprobs: int | None = None,
+    model, tokenizer, prompt: str | Sequence[int], max_tokens: int = 256, *,
+    drafter: Drafter | str | None = None, num_draft: int | None = None, adaptive: bool = True,
+    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+    seed: int | None = None, prompt_cache: PromptCache | None = None, backend: str | None = None,
+    overlap: bool = True, logprobs: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream the continuation of `prompt` (a string or token ids, used as given).
 
     With `drafter` (a Drafter, or the name of one that needs no files: "lookup") tokens are
     produced speculatively; the output is the same as without it (greedy: token for token;
-    sampled: in distribution). `num_draft` is the most drafts per step; with `adaptive` the
-    loop drafts fewer while live acceptance says the extra verify work would not pay.
+    sampled: in distribution). The other options make a `Request` (mlxspec.request says what
+    each means: max_tokens, num_draft, adaptive, temp, top_p, top_k, min_p, seed, logprobs,
+    overlap), checked before any work; `stream_request` takes one already built.
     A `PromptCache` carries the target's KV cache across calls (chat turns), so only the part of
     the prompt not already in it is prefilled (not with drafters that read target features).
     The backend follows the model: an mlx-lm model runs on MLX, a transformers model (from
     `mlxspec.load(..., backend="torch")`) on torch, with a `TorchPromptCache` for `prompt_cache`;
     `backend` ("mlx" or "torch") only checks that the model is of that kind.
-    `overlap=False` stops queuing the next pass while the current one's tokens are handled (the
-    output is the same; `mlxspec bench --overhead` uses it to measure the host's share).
-    `logprobs` n (0 to 20) gives each response the log-probability of its token and the n
-    likeliest tokens' (GenerationResponse.logprob, .top_logprobs), computed on the device in the
-    pass that verified the token, at no extra sync (None, the default, computes nothing). They
-    describe the target's own distribution at that position, never a drafter's: after the
-    request's processing (top-p, min-p, top-k, then temperature: the q every drafter's output
-    follows) when sampling; when greedy (temp 0) the target's raw log-softmax, temperature 1
-    and no truncation, as OpenAI reports greedy requests.
     """
-    from .drafters import resolve_drafter
+    sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    request = Request(max_tokens, sampling, num_draft=num_draft, adaptive=adaptive,
+                      logprobs=logprobs, overlap=overlap)
+    yield from stream_request(model, tokenizer, prompt, request, drafter=drafter,
+                              prompt_cache=prompt_cache, backend=backend)
 
+
+@one_generation_per_model  # safe from several threads: they take turns
+def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Request, *,
+                   drafter: Drafter | str | None = None, prompt_cache=None,
+                   backend: str | None = None) -> Iterator[GenerationResponse]:
+    """`stream_generate` for a `Request` already built (the CLI's, a server's, bench's): the
+    prompt is checked, the drafter and the target are set up (on a split target, on rank 0: the
+    other ranks follow its passes), then each token is streamed with one host sync per step."""
     parts = backend_for(model, backend)
+    check_prompt_cache(parts, prompt_cache)
+    tokenizer = _as_wrapper(tokenizer)
+    prompt_tokens = encode_prompt(tokenizer, prompt)
+    check_request(parts, model, prompt_tokens, request.max_tokens)
+    if follow_generation(model):  # another rank of a split target ran its share of the passes
+        return
+    opening = partial(open_session, model=model, tokenizer=tokenizer, drafter=drafter,
+                      request=request, prompt_tokens=prompt_tokens, prompt_cache=prompt_cache)
+    with leading(model, parts.target, opening) as session:
+        if request.sampling.seed is not None:
+            parts.seed(request.sampling.seed)
+        stats, eos = SpecStats(), frozenset(tokenizer.eos_token_ids)
+        steps = speculative_tokens(
+            session.target, session.drafter, prompt_tokens, sampling=request.sampling,
+            max_tokens=request.max_tokens, num_draft=session.num_draft, stats=stats,
+            adaptive=request.adaptive, stop_tokens=eos, overlap=request.overlap,
+            logprobs=request.logprobs)
+        detokenizer = tokenizer.detokenizer
+        respond = Responses(detokenizer, len(prompt_tokens), stats, session,
+                            partial(parts.peak_memory_gb, model))
+        n, token, from_draft, scores, finish_reason = 0, None, False, (), "length"
+        output = []
+        try:
+            for token, from_draft, *scores in parts.run_steps(steps):  # scores: (logprob, top)
+                output.append(token)
+                if n == 0:
+                    respond.first_token()
+                if token in eos:
+                    finish_reason = "stop"
+                    break
+                n += 1
+                detokenizer.add_token(token)
+                if n == request.max_tokens:
+                    break
+                yield respond(token, from_draft, scores, n)
+            detokenizer.finalize()
+            yield respond(token, from_draft, scores, n, finish_reason)
+        finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
+            steps.close()  # the loop drops the drafts of a pass it had queued
+            if session.kept is not None:
+                session.kept.remember(prompt_tokens + output)
+
+
+def check_prompt_cache(parts: Backend, prompt_cache) -> None:
     if prompt_cache is not None and not isinstance(prompt_cache, parts.prompt_cache):
         cache_class = parts.prompt_cache
         raise TypeError(
             f"a {type(prompt_cache).__name__} cannot hold a {parts.name} model's cache; use "
             f"{cache_class.__module__}.{cache_class.__name__}"
         )
-    tokenizer = _as_wrapper(tokenizer)
-    sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    if num_draft is not None:
-        check_count("num_draft", num_draft)
-    check_logprobs(logprobs)
-    prompt_tokens = encode_prompt(tokenizer, prompt)
-    check_request(parts, model, prompt_tokens, max_tokens)
-    stage = stage_of(model)
-    if stage is not None and not stage.leads:
-        # Another rank of a split target: it runs its share of each pass rank 0 posts; rank 0
-        # drafts, decides and yields the output.
-        follower(model).follow()
-        return
-    try:
-        drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
-        requested = num_draft or drafter.default_num_draft
-        # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
-        num_draft = draft_limit(drafter, requested)
-        reuse = prompt_cache is not None and not drafter.capture_layers
-        target = parts.target(
-            model,
-            capture_layers=drafter.capture_layers,
-            speculative=num_draft > 0,
-            cache=prompt_cache.take(model, prompt_tokens) if reuse else None,
-        )
-    except BaseException:
-        if stage is not None:  # the other ranks end this generation too
-            stage.link.end(None)
-        raise
-    if stage is not None:  # each pass is posted to the other ranks before it is queued
-        target = LeaderTarget(target, stage.link, cache_slot(prompt_cache if reuse else None))
-    if seed is not None:
-        parts.seed(seed)
 
-    stats = SpecStats()
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    eos = frozenset(tokenizer.eos_token_ids)
-    steps = speculative_tokens(
-        target,
-        drafter,
-        prompt_tokens,
-        sampling=sampling,
-        max_tokens=max_tokens,
-        num_draft=requested,
-        stats=stats,
-        adaptive=adaptive,
-        stop_tokens=eos,
-        overlap=overlap,
-        logprobs=logprobs,
-    )
 
-    def response(token, from_draft, scores, n, finish_reason=None):
+@dataclass
+class Session:
+    """What one generation runs on: its drafter, the drafts per step asked for and the most a
+    step verifies, the target, and the kept cache the target continues (None: a fresh one)."""
+
+    drafter: Drafter
+    num_draft: int
+    max_draft: int
+    target: object
+    kept: object | None
+
+
+def open_session(make_target, *, model, tokenizer, drafter, request: Request, prompt_tokens,
+                 prompt_cache) -> Session:
+    """The drafter resolved and its drafts per step limited; the target, built by
+    `make_target` on the prompt cache unless the drafter reads target features (their prefill
+    needs a fresh cache)."""
+    from .drafters import resolve_drafter
+
+    drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
+    num_draft = request.num_draft or drafter.default_num_draft
+    # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
+    max_draft = draft_limit(drafter, num_draft)
+    kept = None if drafter.capture_layers else prompt_cache
+    target = make_target(model, capture_layers=drafter.capture_layers, speculative=max_draft > 0,
+                         cache=None if kept is None else kept.take(model, prompt_tokens))
+    return Session(drafter, num_draft, max_draft, target, kept)
+
+
+class Responses:
+    """Each GenerationResponse of one generation: the text the detokenizer let go of, the speed
+    so far (from the first token on; prefill is timed to it, as mlx-lm does) and the loop's
+    statistics."""
+
+    def __init__(self, detokenizer, prompt_tokens: int, stats: SpecStats, session: Session,
+                 peak_memory_gb: Callable[[], float]):
+        detokenizer.reset()
+        self.detokenizer, self.prompt_tokens, self.stats = detokenizer, prompt_tokens, stats
+        self.drafter, self.num_draft = session.drafter.name, session.max_draft
+        self.peak_memory_gb = peak_memory_gb
+        self.start = self.gen_start = time.perf_counter()
+        self.prompt_tps = 0.0
+
+    def first_token(self) -> None:
+        """Time to the first token is prefill plus one verify pass, as in mlx-lm."""
+        self.gen_start = time.perf_counter()
+        self.prompt_tps = self.prompt_tokens / (self.gen_start - self.start)
+
+    def __call__(self, token, from_draft, scores, n, finish_reason=None) -> GenerationResponse:
         logprob, top = scores if scores else (None, [])
-        elapsed = time.perf_counter() - gen_start
+        elapsed = time.perf_counter() - self.gen_start
+        stats = self.stats
         return GenerationResponse(
-            text=detokenizer.last_segment,
+            text=self.detokenizer.last_segment,
             token=token,
             from_draft=from_draft,
-            prompt_tokens=len(prompt_tokens),
-            prompt_tps=prompt_tps,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tps=self.prompt_tps,
             generation_tokens=n,
             generation_tps=n / elapsed if elapsed > 0 else 0.0,
-            peak_memory=parts.peak_memory_gb(model),
+            peak_memory=self.peak_memory_gb(),
             finish_reason=finish_reason,
             target_passes=stats.target_passes,
             drafted=stats.drafted,
@@ -254,45 +267,13 @@ def stream_generate(
             acceptance_per_position=stats.acceptance_per_position,
             drafted_per_position=list(stats.drafted_per_position),
             accepted_per_position=list(stats.accepted_per_position),
-            drafter=drafter.name,
-            num_draft=num_draft,
+            drafter=self.drafter,
+            num_draft=self.num_draft,
             launch_seconds=stats.launch_seconds,
             wait_seconds=stats.wait_seconds,
             logprob=logprob,
             top_logprobs=top,
         )
-
-    start = time.perf_counter()
-    prompt_tps, gen_start = 0.0, start
-    n, token, from_draft, scores, finish_reason = 0, None, False, (), "length"
-    output = []
-    try:
-        for token, from_draft, *scores in parts.run_steps(steps):  # scores: (logprob, top)
-            output.append(token)
-            if n == 0:
-                # Time to the first token is prefill plus one verify pass, as in mlx-lm.
-                gen_start = time.perf_counter()
-                prompt_tps = len(prompt_tokens) / (gen_start - start)
-            if token in eos:
-                finish_reason = "stop"
-                break
-            n += 1
-            detokenizer.add_token(token)
-            if n == max_tokens:
-                break
-            yield response(token, from_draft, scores, n)
-        detokenizer.finalize()
-        yield response(token, from_draft, scores, n, finish_reason)
-    except RuntimeError as err:  # MLX's distributed backends raise these when a rank is lost
-        if stage is None or isinstance(err, DistributedError):
-            raise
-        raise stage.link.lost(err) from None
-    finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
-        steps.close()  # the loop drops the drafts of a pass it had queued
-        if reuse:
-            prompt_cache.remember(prompt_tokens + output)
-        if stage is not None:  # the other ranks keep their caches as this one's stand
-            target.finish()
 
 
 def generate(model, tokenizer, prompt, max_tokens: int = 256, *, verbose: bool = False, **kwargs):

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .bench import SUITES, chat_prompt, fixed_k
-from .drafters import DraftModelDrafter, LookupFirstDrafter, PromptLookupDrafter
-from .engine import PlainDecoding
-from .generate import encode_prompt, stream_generate
+from .drafters import DraftModelDrafter, LookupFirstDrafter, load_drafter, registry
+from .generate import encode_prompt, stream_request
 from .intervals import paired_ratio
+from .request import Request
 
 TINY_TARGET = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                    num_attention_heads=4, num_key_value_heads=2)
@@ -59,9 +59,9 @@ def tiny_dflash(target):
                          final_norm=target.model.norm, target_layers=args.num_hidden_layers)
 
 
-TINY_DRAFTERS = {
-    "none": lambda target, seed: PlainDecoding(),
-    "lookup": lambda target, seed: PromptLookupDrafter(),
+# Random weights for the model drafters measured here, where the registry would load a
+# checkpoint: (target, seed) -> the drafter.
+TINY_MODELS = {
     "draft": lambda target, seed: DraftModelDrafter(
         tiny_llama(target.args.vocab_size, seed, **TINY_DRAFT)),
     "dflash": lambda target, seed: tiny_dflash(target),
@@ -69,13 +69,16 @@ TINY_DRAFTERS = {
 
 
 def tiny_drafter(kind: str, target, seed: int = 1):
-    """A drafter of `kind` (or `kind+lookup`) for the tiny target, random where it has weights."""
-    model_kind = kind.removesuffix("+lookup")
-    if model_kind not in TINY_DRAFTERS:
-        raise ValueError(f"no tiny {kind!r} drafter; choose from {', '.join(TINY_DRAFTERS)} "
-                         "and their +lookup forms")
-    drafter = TINY_DRAFTERS[model_kind](target, seed)
-    return LookupFirstDrafter(drafter) if kind != model_kind else drafter
+    """A registered drafter `kind` for the tiny target: as the registry builds it when it loads
+    no checkpoint; else with random weights, behind prompt lookup for an "X+lookup" kind."""
+    entry = registry.drafter_kind(kind)
+    if entry.checkpoint is None:
+        return load_drafter(kind, model=target, tokenizer=None)
+    if entry.model_name not in TINY_MODELS:
+        raise ValueError(f"no tiny {kind!r} drafter; choose from the drafters that load no "
+                         f"checkpoint, {', '.join(TINY_MODELS)} and their +lookup forms")
+    drafter = TINY_MODELS[entry.model_name](target, seed)
+    return LookupFirstDrafter(drafter) if entry.base is not None else drafter
 
 
 @dataclass
@@ -110,10 +113,9 @@ class Timing:
                 "other": 1e3 * (wall - queued - waited)}
 
 
-def _time_ours(target, tokenizer, ids, max_tokens, drafter, k, overlap, timing: Timing) -> None:
+def _time_ours(target, tokenizer, ids, drafter, request: Request, timing: Timing) -> None:
     first = start = None
-    for r in stream_generate(target, tokenizer, ids, max_tokens, drafter=drafter, num_draft=k,
-                             adaptive=k is None, overlap=overlap):
+    for r in stream_request(target, tokenizer, ids, request, drafter=drafter):
         if first is None:  # timed from the first token on, as mlx-lm reports tok/s
             first, start = time.perf_counter(), r
     timing.add(r.generation_tokens - 1, time.perf_counter() - first,
@@ -150,7 +152,8 @@ def run_overhead(tokenizer, *, drafters=OVERHEAD_DRAFTERS, suites=("humaneval", 
     for ids in [prompts[0]] + prompts:  # the first run warms up, and is dropped
         for (label, overlap), timing in ours.items():
             drafter, k = built[label]
-            _time_ours(target, tokenizer, ids, max_tokens, drafter, k, overlap, timing)
+            request = Request(max_tokens, num_draft=k, adaptive=k is None, overlap=overlap)
+            _time_ours(target, tokenizer, ids, drafter, request, timing)
         _time_mlx_lm(target, tokenizer, ids, max_tokens, mlx_lm)
         progress(f"prompt {len(mlx_lm.tokens) - 1}/{len(prompts)}: " + ", ".join(
             f"{label}{'' if overlap else ' (one at a time)'} {t.ms_per_token():.2f}"

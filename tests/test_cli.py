@@ -303,7 +303,7 @@ def test_chat_with_trees_keeps_history_and_replies_as_plain(smollm, options):
 @pytest.fixture
 def prompt_spy(monkeypatch):
     """Record the prompts the chat REPL sends; optionally interrupt a turn after a few tokens."""
-    real = mlxspec.stream_generate
+    real = mlxspec.stream_request
     prompts, interrupt_turns = [], set()
 
     def spy(model, tokenizer, prompt, *args, **kwargs):
@@ -314,7 +314,7 @@ def prompt_spy(monkeypatch):
                 raise KeyboardInterrupt
             yield response
 
-    monkeypatch.setattr(mlxspec, "stream_generate", spy)
+    monkeypatch.setattr(mlxspec, "stream_request", spy)
     return prompts, interrupt_turns
 
 

@@ -4,7 +4,7 @@ logprobs (plain and streamed) equal to the target's, and tool calls parsed out o
 A tiny random target with SmolLM2's tokenizer keeps each server cheap; the tool-call tests give
 that tokenizer a chat template with a tool-call format (Qwen's `<tool_call>` JSON, which mlx-lm
 infers as its json_tools parser) and script the model's output by standing in for
-stream_generate, which the worker calls per request: what is tested is everything after it."""
+stream_request, which the worker calls per request: what is tested is everything after it."""
 
 import json
 import shutil
@@ -262,9 +262,10 @@ def test_logprobs_follow_the_text_a_stop_string_cuts(served):
 # ---- tool calls ----
 
 def scripted(text: str):
-    """A stand-in for stream_generate that "generates" `text` then the end-of-sequence token,
-    with the responses stream_generate gives (one per token, text through the detokenizer)."""
-    def generate(model, tokenizer, prompt, max_tokens, **options):
+    """A stand-in for stream_request that "generates" `text` then the end-of-sequence token,
+    with the responses stream_request gives (one per token, text through the detokenizer)."""
+    def generate(model, tokenizer, prompt, request, **options):
+        max_tokens = request.max_tokens
         ids = tokenizer.encode(text, add_special_tokens=False)
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
@@ -292,11 +293,11 @@ def test_tool_calls_are_parsed_whole_and_streamed(tool_served, tool_tokenizer, m
     prompts = []
     real = scripted(CALL_OUTPUT)
 
-    def generate(model, tokenizer, prompt, max_tokens, **options):
+    def generate(model, tokenizer, prompt, request, **options):
         prompts.append(tokenizer.decode(prompt))
-        yield from real(model, tokenizer, prompt, max_tokens, **options)
+        yield from real(model, tokenizer, prompt, request, **options)
 
-    monkeypatch.setattr(GENERATE, "stream_generate", generate)
+    monkeypatch.setattr(GENERATE, "stream_request", generate)
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
             "max_tokens": 64}
     whole = chat(tool_served, body)
@@ -326,7 +327,7 @@ def test_tool_calls_are_parsed_whole_and_streamed(tool_served, tool_tokenizer, m
 
 def test_a_call_that_does_not_parse_is_returned_as_text(tool_served, monkeypatch):
     broken = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": '
-    monkeypatch.setattr(GENERATE, "stream_generate", scripted(broken))
+    monkeypatch.setattr(GENERATE, "stream_request", scripted(broken))
     reply = chat(tool_served, {"messages": HI, "tools": [WEATHER], "max_tokens": 64})
     choice = reply.json()["choices"][0]
     assert choice["message"]["content"] == broken and "tool_calls" not in choice["message"]
@@ -336,11 +337,11 @@ def test_a_call_that_does_not_parse_is_returned_as_text(tool_served, monkeypatch
 def test_tool_results_and_earlier_calls_reach_the_template(tool_served, monkeypatch):
     prompts = []
 
-    def generate(model, tokenizer, prompt, max_tokens, **options):
+    def generate(model, tokenizer, prompt, request, **options):
         prompts.append(tokenizer.decode(prompt))
-        yield from scripted("It is sunny.")(model, tokenizer, prompt, max_tokens)
+        yield from scripted("It is sunny.")(model, tokenizer, prompt, request)
 
-    monkeypatch.setattr(GENERATE, "stream_generate", generate)
+    monkeypatch.setattr(GENERATE, "stream_request", generate)
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [

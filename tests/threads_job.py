@@ -15,7 +15,7 @@ from test_api_hardening import tiny_tokenizer  # noqa: E402
 from mlxspec.drafters.dflash import load_dflash_drafter  # noqa: E402
 
 if "--unlocked" in sys.argv:  # to show the test fails without the lock
-    generate_module.stream_generate = generate_module.stream_generate.__wrapped__
+    generate_module.stream_request = generate_module.stream_request.__wrapped__
 THREADS, GENERATIONS = 4, 4
 model = tiny_llama(vocab=12, hidden=32, layers=4, seed=1, sharpness=3.0)
 tokenizer = tiny_tokenizer(12)

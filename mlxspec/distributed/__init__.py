@@ -7,18 +7,11 @@ decides, and each step it posts the other ranks their work in one small all-sum
 
 import mlx.core as mx
 
-from .link import DistributedError, Link
-from .ranks import Follower, LeaderTarget, cache_slot
 from ..backends.mlx.hidden_states import decoder_layers
-from .stage import (SHARDINGS, Stage, check_caches_per_layer, layer_split, split_pipeline,
-                    split_tensors)
-
-STAGE = "mlxspec_stage"  # where a split model keeps its Stage
-
-
-def stage_of(model) -> Stage | None:
-    """The share of a split target this process runs; None for a whole model."""
-    return getattr(model, STAGE, None)
+from .link import DistributedError, Link
+from .ranks import Follower, LeaderTarget, cache_slot, follow_generation, follower, leading
+from .stage import (SHARDINGS, STAGE, Stage, check_caches_per_layer, layer_split,
+                    split_pipeline, split_tensors, stage_of)
 
 
 def launched() -> bool:
@@ -71,14 +64,6 @@ def split_model(model, sharding: str, group) -> Stage:
     return stage
 
 
-def follower(model) -> Follower:
-    """The Follower of a split model on a rank other than 0 (one per model)."""
-    stage = stage_of(model)
-    if stage.follower is None:
-        stage.follower = Follower(model, stage.link)
-    return stage.follower
-
-
-__all__ = ["DistributedError", "Follower", "LeaderTarget", "Link", "SHARDINGS", "Stage",
-           "barrier", "cache_slot", "check_sharding", "follower", "launched", "layer_split",
-           "split_model", "stage_of"]
+__all__ = ["DistributedError", "Follower", "LeaderTarget", "Link", "SHARDINGS", "STAGE", "Stage",
+           "barrier", "cache_slot", "check_sharding", "follow_generation", "follower",
+           "launched", "layer_split", "leading", "split_model", "stage_of"]

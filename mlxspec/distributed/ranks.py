@@ -1,5 +1,6 @@
 """The two roles over a split target: rank 0 runs the shared loop with a target that posts each
-step's work first (LeaderTarget); every other rank runs that work as it arrives (Follower).
+step's work first (LeaderTarget, opened and closed by `leading`); every other rank runs that work
+as it arrives (Follower, `follow_generation`).
 
 The loop itself is unchanged: to it, rank 0's target is a Target like any other. The followers
 hold their own layers' caches and cut them exactly as rank 0 cuts its own, so every rank's cache
@@ -7,13 +8,18 @@ holds the same positions after every step.
 """
 
 from collections import OrderedDict
+from contextlib import contextmanager
+from functools import partial
 from itertools import count
 
+import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..engine import Draft, Pass, Verdict
+from ..backends.mlx.target import MLXTarget, cache_offset
 from ..sampling import SamplingConfig
 from .link import BEGIN, END, PASS, SHUTDOWN, TRIM, DistributedError, Link, Settled
+from .stage import Share, stage_of
 
 _slots = count(1)
 
@@ -86,16 +92,15 @@ class Follower:
 
     def follow(self) -> bool:
         """Follow one generation, from its BEGIN to its END; False at SHUTDOWN."""
-        from ..backends.mlx.target import MLXTarget
-
         message = self.link.receive()
         if message.op in (SHUTDOWN, END):  # END: rank 0 failed before it began
             return message.op == END
         if message.op != BEGIN:
             raise DistributedError(f"rank {self.link.rank}: expected a new generation, got "
                                    f"message {message.op}")
+        share = Share(stage_of(self.model))
         target = MLXTarget(self.model, capture_layers=message.capture, speculative=True,
-                           cache=self._cache(message.slot, message.held))
+                           cache=self._cache(message.slot, message.held), forward=share)
         target.prefill(list(message.tokens), held=message.held)
         while True:
             message = self.link.receive()
@@ -105,7 +110,8 @@ class Follower:
                                       next_token=0, branch=None if s.branch is None
                                       else list(s.branch)))
             if message.op == PASS:
-                target.follow_pass(list(message.tokens), message.parents)
+                target.run_pass(list(message.tokens), message.parents)
+                mx.async_eval(share.output)  # its logits are never computed here
             elif message.op == TRIM:
                 target.trim(message.count)
             elif message.op == END:
@@ -116,8 +122,6 @@ class Follower:
 
     def _cache(self, slot: int, held: int) -> list:
         """Slot's kept cache cut back to the `held` positions rank 0 kept, or a fresh one."""
-        from ..backends.mlx.target import cache_offset
-
         cache = self.caches.get(slot) if held else None
         if held and cache is None:  # never prefill on top of positions this rank lacks
             raise DistributedError(f"rank {self.link.rank}: rank 0 continues a kept cache "
@@ -136,3 +140,50 @@ class Follower:
             while len(self.caches) > self.kept:
                 self.caches.popitem(last=False)
         return cache
+
+
+def follower(model) -> Follower:
+    """The Follower of a split model on a rank other than 0 (one per model)."""
+    stage = stage_of(model)
+    if stage.follower is None:
+        stage.follower = Follower(model, stage.link)
+    return stage.follower
+
+
+def follow_generation(model) -> bool:
+    """On a rank other than 0 of a split target: run this generation's share of the passes rank
+    0 posts (rank 0 drafts, decides and yields the output) and return True; False elsewhere."""
+    stage = stage_of(model)
+    if stage is None or stage.leads:
+        return False
+    follower(model).follow()
+    return True
+
+
+@contextmanager
+def leading(model, make_target, open_session):
+    """The session `open_session(make_target)` opens for one generation on `model` (an object
+    with the `target` it runs on and the `kept` cache that target continues, or None).
+
+    On rank 0 of a split target, the target runs this rank's share of each pass and posts each
+    pass to the other ranks before queuing it; they end the generation with this one, however
+    it ends (a failure to open the session too), keeping their caches as this one's stand; an
+    error of MLX's distributed backends (a rank lost) is said as a DistributedError."""
+    stage = stage_of(model)
+    if stage is None:
+        yield open_session(make_target)
+        return
+    try:
+        session = open_session(partial(make_target, forward=Share(stage)))
+    except BaseException:
+        stage.link.end(None)
+        raise
+    session.target = leader = LeaderTarget(session.target, stage.link, cache_slot(session.kept))
+    try:
+        yield session
+    except RuntimeError as err:
+        if isinstance(err, DistributedError):
+            raise
+        raise stage.link.lost(err) from None
+    finally:
+        leader.finish()

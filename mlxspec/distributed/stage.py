@@ -23,8 +23,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from ..backends.mlx.hidden_states import _Recorder, concat_features, decoder_layers
+from ..backends.mlx.target import model_setting
 
 SHARDINGS = ("pipeline", "tensor")
+STAGE = "mlxspec_stage"  # where a split model keeps its Stage
 
 
 class _HeldElsewhere:
@@ -169,6 +171,33 @@ class Stage:
         return logits, features, sink[last]
 
 
+def stage_of(model) -> Stage | None:
+    """The share of a split target this process runs; None for a whole model."""
+    return getattr(model, STAGE, None)
+
+
+class Share:
+    """This rank's forward of a split target, handed to its MLXTarget in place of the whole
+    model's (backends.mlx.target.WholeModel): its share of each pass. A rank holds no whole model to run
+    again, so it takes no early exit (LayerSkip refuses a split target) and re-runs nothing."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+        self.output = None  # what this rank evaluates for its share of the last pass
+
+    def __call__(self, model, tokens: mx.array, cache: Sequence, capture_layers: Sequence[int]):
+        logits, features, self.output = self.stage.forward(model, tokens, cache, capture_layers)
+        return logits, features
+
+    def outputs(self) -> list:
+        """Its sends and sums, which run only when evaluated (rank 0 reads its logits too)."""
+        return [] if self.output is None else [self.output]
+
+    def rerun(self, model, tokens: mx.array, cache: list) -> None:
+        raise RuntimeError("a split target cannot re-run its kept tokens: a recurrent layer of a "
+                           "kind mlxspec does not know was not recorded")
+
+
 def layer_split(num_layers: int, size: int, rank: int) -> tuple[int, int]:
     """Rank `rank`'s layers (start, end) of an even split, the last layers on rank 0 and any
     extra layers on the low ranks, as mlx-lm's pipelines split."""
@@ -210,8 +239,6 @@ def split_tensors(model, group, caches: list) -> Stage:
         raise ValueError(f"mlx-lm has no tensor-parallel sharding for "
                          f"{getattr(model, 'model_type', type(model).__module__)!r}; "
                          f"use --shard pipeline")
-    from ..backends.mlx.target import model_setting
-
     n = group.size()
     sizes = {name: model_setting(model, name) for name in
              ("num_attention_heads", "num_key_value_heads", "intermediate_size")}

@@ -27,7 +27,7 @@ import math
 import mlx.core as mx
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ..generate import check_count
+from ..request import check_count
 from ..sampling import SamplingConfig
 from ..backends.mlx.sampling import processed_logprobs
 from ..tree import check_tree

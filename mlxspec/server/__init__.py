@@ -14,6 +14,8 @@ from ..extras import require
 from .guards import check_exposure
 from .requests import DEFAULT_MAX_NUM_DRAFT
 
+ALWAYS_OFFERED = ("none", "lookup")  # registered drafters every server offers: they load nothing
+
 
 def _require_server_extra() -> None:
     require(("starlette", "uvicorn"), "mlxspec serve", "server")
@@ -27,23 +29,23 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     A request's num_draft may be at most `max_num_draft` (and the drafter's own maximum caps
     what a step verifies)."""
     _require_server_extra()
-    from ..generate import check_count
+    from ..request import check_count
 
     check_count("max_num_draft", max_num_draft)
-    from ..drafters import LookupFirstDrafter, PromptLookupDrafter, load_drafter
-    from ..engine import PlainDecoding
+    from ..drafters import LookupFirstDrafter, load_drafter
     from ..backends import backend_for
     from .app import Server
 
     def build_drafters() -> dict:
-        drafters = {"none": PlainDecoding(), "lookup": PromptLookupDrafter()}
+        drafters = {name: load_drafter(name, model=model, tokenizer=tokenizer)
+                    for name in ALWAYS_OFFERED}
         if drafter not in drafters or drafter_options or draft_model is not None:
             loaded = load_drafter(drafter, draft_model, model=model, tokenizer=tokenizer,
                                   **drafter_options)
             drafters[drafter] = loaded
             if isinstance(loaded, LookupFirstDrafter):
                 drafters.setdefault(drafter.removesuffix("+lookup"), loaded.model_drafter)
-            elif drafter not in ("none", "lookup"):
+            elif drafter not in ALWAYS_OFFERED:
                 drafters[f"{drafter}+lookup"] = LookupFirstDrafter(loaded)
         return drafters
 

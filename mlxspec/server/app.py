@@ -206,7 +206,7 @@ class Server:
 
     def logprobs(self, job: Job, chat: bool, delta: Delta):
         """A choice's logprobs: None unless the request asked for them."""
-        if job.request.logprobs is None:
+        if job.request.generation.logprobs is None:
             return None
         return (chat_logprobs if chat else completion_logprobs)(delta.logprobs, self.token_names)
 

@@ -10,7 +10,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..generate import MAX_LOGPROBS, encode_prompt
+from ..generate import encode_prompt
+from ..request import MAX_LOGPROBS, Request
 from ..sampling import SamplingConfig, check_seed
 
 # Fields both endpoints honour: OpenAI's, then mlxspec's own (drafter, num_draft, top_k, min_p;
@@ -76,25 +77,20 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
     """One checked request: what the worker needs to generate and to answer."""
 
     chat: bool
     prompt: list[int]
-    max_tokens: int
-    temp: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    # max_tokens, sampling (with the seed), num_draft and logprobs (None: none; n: each token's,
+    # with its n best rivals), as the generation takes them
+    generation: Request
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     drafter: str | None = None
-    num_draft: int | None = None
     prediction: list[int] | None = None  # token ids of the predicted output, a lookup source
-    logprobs: int | None = None  # None: no logprobs; n: each token's, with its n best rivals
     tools: list[dict] | None = None  # set when the output is parsed for tool calls
 
 
@@ -400,25 +396,22 @@ def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
         raise APIError(400, f"unknown drafter {drafter!r}; this server offers "
                             f"{', '.join(drafters)}", param="drafter")
     stream = _boolean(body.get("stream"), "stream")
-    request = GenerationRequest(  # the cheap checks first; the prompt is rendered last
-        chat=chat, prompt=[], max_tokens=1,
-        temp=_number(body, "temperature", 1.0, low=0, high=2),
-        top_p=_number(body, "top_p", 1.0),  # their ranges are the sampler's, checked below
-        top_k=_number(body, "top_k", 0, integer=True),
-        min_p=_number(body, "min_p", 0.0),
-        seed=_seed(body), stop=_stops(body), stream=stream,
-        include_usage=_include_usage(body, stream),
-        drafter=drafter, num_draft=_num_draft(body, max_num_draft),
-        logprobs=_logprobs(body, chat),
-    )
+    # The cheap checks first; the prompt is rendered last.
+    sampling = dict(temp=_number(body, "temperature", 1.0, low=0, high=2),
+                    top_p=_number(body, "top_p", 1.0),  # their ranges are the sampler's, below
+                    top_k=_number(body, "top_k", 0, integer=True),
+                    min_p=_number(body, "min_p", 0.0), seed=_seed(body))
+    stop, include_usage = _stops(body), _include_usage(body, stream)
+    num_draft, logprobs = _num_draft(body, max_num_draft), _logprobs(body, chat)
     try:  # the sampler's own checks (top_p in (0, 1], ...), in its words
-        SamplingConfig(temp=request.temp, top_p=request.top_p, top_k=request.top_k,
-                       min_p=request.min_p)
+        sampling = SamplingConfig(**sampling)
     except (TypeError, ValueError) as err:
         raise APIError(400, str(err), param=str(err).split(" ")[0]) from None
-    request.tools = _rendered_tools(body, chat, tokenizer)
-    request.prompt = _prompt(body, chat, tokenizer, request.tools, context_length)
-    request.max_tokens = _max_tokens(body, chat, request.prompt, context_length)
-    request.prediction = _prediction(
-        body, lambda text: tokenizer.encode(text, add_special_tokens=False))
-    return request
+    tools = _rendered_tools(body, chat, tokenizer)
+    prompt = _prompt(body, chat, tokenizer, tools, context_length)
+    max_tokens = _max_tokens(body, chat, prompt, context_length)
+    prediction = _prediction(body, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    generation = Request(max_tokens, sampling, num_draft=num_draft, logprobs=logprobs)
+    return GenerationRequest(chat=chat, prompt=prompt, generation=generation, stop=stop,
+                             stream=stream, include_usage=include_usage, drafter=drafter,
+                             prediction=prediction, tools=tools)

@@ -75,7 +75,7 @@ class Answer:
 
     def __init__(self, request: GenerationRequest, tokenizer):
         self.stops = StopText(request.stop)
-        self.tokens = TokenTrail() if request.logprobs is not None else None
+        self.tokens = TokenTrail() if request.generation.logprobs is not None else None
         self.calls = ToolCallText(tokenizer, request.tools) if request.tools else None
         self.returned = 0  # characters of output text returned so far
 
@@ -208,7 +208,7 @@ class Worker:
         return LookupFirstDrafter(getattr(drafter, "model_drafter", drafter), lookup)
 
     def _generate(self, job: Job) -> Outcome:
-        from ..generate import stream_generate
+        from ..generate import stream_request
 
         request = job.request
         answer = Answer(request, self.tokenizer)
@@ -220,11 +220,8 @@ class Worker:
             cache = self.caches.checkout(request.prompt)
             cache.take(self.model, request.prompt)
             cached = len(cache.tokens)
-        responses = stream_generate(
-            self.model, self.tokenizer, request.prompt, request.max_tokens,
-            drafter=drafter, num_draft=request.num_draft, temp=request.temp,
-            top_p=request.top_p, top_k=request.top_k, min_p=request.min_p, seed=request.seed,
-            prompt_cache=cache, logprobs=request.logprobs)
+        responses = stream_request(self.model, self.tokenizer, request.prompt,
+                                   request.generation, drafter=drafter, prompt_cache=cache)
         try:
             for last in responses:
                 if job.cancelled.is_set():

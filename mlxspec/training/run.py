@@ -26,7 +26,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..generate import check_count
+from ..request import check_count
 from ..target_parts import embedding_checksum, target_embedding, target_sizes
 from .data import (
     SequenceStore,

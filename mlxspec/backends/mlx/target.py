@@ -5,7 +5,6 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
-from ...distributed import stage_of
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
 from ...rollback import is_recurrent, recurrent_layers, restore, snapshot, trim_attention
@@ -102,8 +101,40 @@ def cache_offset(cache: list) -> int | None:
     return next((c.offset for c in cache if hasattr(c, "offset")), None)
 
 
+class WholeModel:
+    """The forward of a model this process holds whole, the MLX target's default. A target
+    split across processes hands each rank's MLXTarget its share instead
+    (mlxspec.distributed.stage.Share), with the same three methods but no early exit."""
+
+    def __call__(self, model, tokens: mx.array, cache: list, capture_layers: Sequence[int],
+                 early_exit=None):
+        """Logits (1, n, V) and captured features (1, n, H*layers) or None of tokens (1, n);
+        with early_exit (E, (1, n, hidden)), the first E layers already ran on them (LayerSkip's
+        draft) and only layers E.. run."""
+        with capture_layer_outputs(model, capture_layers) as hidden:
+            if early_exit is None:
+                logits = model(tokens, cache=cache)
+            else:
+                exit_layer, states = early_exit
+                logits = late_forward(model, tokens, cache, exit_layer, states)
+        return logits, concat_features(hidden) if hidden else None
+
+    def outputs(self) -> list:
+        """What a prefill chunk evaluates besides the cache's state: nothing more here."""
+        return []
+
+    def rerun(self, model, tokens: mx.array, cache: list) -> None:
+        """Run kept tokens (1, n) through the model again, lazily, to rebuild a recurrent state
+        of a kind that was not recorded (see MLXTarget.trim)."""
+        model(tokens, cache=cache)
+
+
+WHOLE_MODEL = WholeModel()
+
+
 class MLXTarget:
-    """Wraps an mlx-lm model and its KV cache for one generation."""
+    """Wraps an mlx-lm model and its KV cache for one generation; `forward` runs the model's
+    passes (this process's share of them, for a target split across processes)."""
 
     def __init__(
         self,
@@ -113,10 +144,10 @@ class MLXTarget:
         speculative: bool = False,
         prefill_step_size: int = 2048,
         cache: list | None = None,
+        forward=WHOLE_MODEL,
     ):
         self.model = model
-        self.stage = stage_of(model)  # this process's share of a split target, or None
-        self._stage_output = None  # what this rank evaluates for its share of the last forward
+        self.forward = forward
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
@@ -143,18 +174,13 @@ class MLXTarget:
         """Logits (n, V) and captured features of `tokens`; with early_exit (E, hidden), the
         first E layers already ran on them (LayerSkip's draft) and only layers E.. run."""
         cache = self.cache if cache is None else cache
-        if self.stage is not None:
-            logits, features, self._stage_output = self.stage.forward(
-                self.model, tokens[None], cache, self.capture_layers)
-            return logits[0], None if features is None else features[0]
-        with capture_layer_outputs(self.model, self.capture_layers) as hidden:
-            if early_exit is None:
-                logits = self.model(tokens[None], cache=cache)
-            else:
-                exit_layer, states = early_exit
-                logits = late_forward(self.model, tokens[None], cache, exit_layer, states[None])
-        features = concat_features(hidden)[0] if hidden else None
-        return logits[0], features
+        inputs = (self.model, tokens[None], cache, self.capture_layers)
+        if early_exit is None:
+            logits, features = self.forward(*inputs)
+        else:  # LayerSkip's (E, states (n, hidden)), batched as the tokens are (whole models only)
+            exit_layer, states = early_exit
+            logits, features = self.forward(*inputs, (exit_layer, states[None]))
+        return logits[0], None if features is None else features[0]
 
     def prefill(self, tokens: Sequence[int], held: int | None = None):
         """Process all tokens but the last that the cache does not hold yet (a reused cache holds
@@ -170,8 +196,7 @@ class MLXTarget:
             _, chunk_features = self._forward(body[start : start + self.prefill_step_size])
             if chunk_features is not None:
                 features.append(chunk_features)
-            shares = [] if self._stage_output is None else [self._stage_output]  # sends, sums
-            mx.eval([c.state for c in self.cache] + features + shares)
+            mx.eval([c.state for c in self.cache] + features + self.forward.outputs())
             mx.clear_cache()
         if not self.capture_layers:
             return None
@@ -197,16 +222,17 @@ class MLXTarget:
             return self._launch_tree(inputs, drafts, draft, sampling, logprobs)
         return self._launch_chain(inputs, drafts, draft, sampling, logprobs)
 
-    def follow_pass(self, tokens: list[int], parents: tuple[int, ...] | None) -> None:
-        """A follower rank's share of a pass rank 0 launched over `tokens` ([pending, drafts]):
-        the same forward, queued, its logits never computed here (mlxspec.distributed)."""
+    def run_pass(self, tokens: list[int], parents: tuple[int, ...] | None = None) -> None:
+        """The forward of a pass over `tokens` ([pending, drafts]; a tree's with `parents`) as
+        `launch` runs it, undoable alike, without acceptance: nothing is computed until its
+        outputs are evaluated (a split target's other ranks run their share of rank 0's passes
+        this way, mlxspec.distributed)."""
         inputs = mx.array(tokens, dtype=mx.int32)
         if parents is None:
             self._chain_forward(inputs, len(tokens) - 1)
         else:
             with self._tree_cache(TreeShape(parents)) as cache:
                 self._forward(inputs, cache)
-        mx.async_eval(self._stage_output)
 
     def _chain_forward(self, inputs, num_drafts: int, early_exit=None):
         """Logits (K+1, V) and features of a chain pass, kept undoable where a rejection must
@@ -310,11 +336,8 @@ class MLXTarget:
                 else:
                     module(x[:, :keep], mask=None, cache=c)
             return
-        if self.stage is not None:  # the whole model is not this process's to run again
-            raise RuntimeError("a split target cannot re-run its kept tokens: a recurrent layer "
-                               "of a kind mlxspec does not know was not recorded")
         trim_attention(self.cache, inputs.size)
-        self.model(inputs[None, :keep], cache=self.cache)  # lazy: runs with the next pass
+        self.forward.rerun(self.model, inputs[None, :keep], self.cache)  # lazy: with the next pass
 
     def rollback_room(self) -> int | None:
         """A sliding-window cache (RotatingKVCache) rolls back exactly only while a pass keeps it
