@@ -76,3 +76,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(items):
+    """A test on the real model is slow: every one that reaches `smollm_dir` (directly or through
+    `smollm`, `smollm_first_layers` or a module fixture built on them) is marked so, here, rather
+    than by hand in each module. `scripts/test.sh --fast` leaves them out."""
+    for item in items:
+        if "smollm_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -192,6 +192,7 @@ def small_vocab_target():
     return tiny_llama(vocab=VOCAB, seed=11, sharpness=2.5)
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("draft_vocab", [None, [0, 1, 3]])
 def test_sampled_output_follows_target_distribution(small_vocab_target, tmp_path, draft_vocab):
     """Chi-squared against the exact distribution, as tests/test_sampling_exactness.py does;

@@ -86,6 +86,7 @@ def job_reference(mode: str) -> dict:
     return distributed_job.run(mode)
 
 
+@pytest.mark.slow  # two ranks under mlx.launch; SmolLM2 (pipeline) or its tokenizer
 @pytest.mark.parametrize("mode", ["pipeline", "tensor", "hybrid"])
 def test_split_target_generates_what_one_process_does(mode):
     """Pipeline on SmolLM2 (30 layers; its 9 heads do not split two ways), tensor parallel on a
@@ -117,6 +118,7 @@ def test_cli_generate_under_mlx_launch(smollm):
     assert split.stdout.strip() == alone.stdout.strip() != ""
 
 
+@pytest.mark.slow  # two ranks under mlx.launch on SmolLM2, and one process
 def test_cli_chat_under_mlx_launch():
     """Two turns on a kept cache, typed into rank 0 (mlx.launch gives every rank the input)."""
     turns = "Name a colour.\nAnd another one?\n/quit\n"
@@ -128,6 +130,7 @@ def test_cli_chat_under_mlx_launch():
     assert split.stdout == alone.stdout
 
 
+@pytest.mark.slow  # two ranks under mlx.launch on SmolLM2, twice
 def test_cli_refuses_what_a_split_target_cannot_do():
     run = launch(*_cli("generate", "-p", "hi", "-n", "4", "--shard", "tensor"))
     assert "needs sizes it divides; this model has num attention heads 9" in run.stderr
@@ -146,6 +149,7 @@ def _start_ranks(args, port):
             for r in (0, 1)]
 
 
+@pytest.mark.slow  # two ranks on SmolLM2
 @pytest.mark.parametrize("dies", [1, 0])
 def test_a_rank_that_dies_stops_the_other_with_a_clear_error(dies):
     """Rank `dies` is killed mid-generation; the survivor says so in one line and exits 1
@@ -171,6 +175,7 @@ def test_a_rank_that_dies_stops_the_other_with_a_clear_error(dies):
             p.communicate()
 
 
+@pytest.mark.slow  # two ranks under mlx.launch on SmolLM2
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds rank 1's process in /proc")
 def test_mlx_launch_ends_when_a_rank_dies():
     """Under mlx.launch too the job ends (mlx.launch stops the others), bounded in time."""

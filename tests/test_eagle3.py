@@ -324,6 +324,7 @@ def test_rolled_back_tokens_trim_the_context(llama, llama_drafter_dir):
     assert mx.allclose(mx.stack(drafter.chain_logits(tokens, 3)), before, atol=1e-5).item()
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 def test_sampled_output_follows_target_distribution(tmp_path):
     """Chi-squared against the exact distribution (tests/test_sampling_exactness.py), drafting
     from 3 of the 5 tokens: p is zero for the other two, which the target still produces."""

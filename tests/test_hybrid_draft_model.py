@@ -170,6 +170,7 @@ def test_a_rewind_between_recorded_lengths_feeds_again_from_the_step_start():
     assert drafter._rewind_to(prompt[:3] + [11]) == 0  # before every recorded length: afresh
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 def test_sampled_output_with_a_hybrid_draft_model_follows_the_targets_distribution():
     """A hybrid draft model (sharpened, so that its drafts are accepted often but not always)
     for test_sampling_exactness's target: the samples follow the target's distribution exactly.

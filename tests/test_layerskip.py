@@ -126,6 +126,7 @@ def test_cache_after_rollbacks_equals_one_built_from_scratch(model):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 def test_sampled_output_follows_the_target_distribution():
     target = tiny_llama(vocab=VOCAB, layers=2, seed=11, sharpness=2.5)
     exact = exact_distribution(target, SAMPLING)

@@ -132,6 +132,7 @@ def test_drafts_rejected_at_every_position_are_still_lossless(model, heads_dir):
     assert got == want and stats.accepted < stats.drafted
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 def test_sampled_output_follows_the_target_distribution(tmp_path):
     """A chain drawn from the heads' distributions (trees have deterministic children, whose
     rule tests/test_tree_acceptance.py checks by χ²)."""

@@ -102,6 +102,7 @@ def drafter_source(tmp_path, family):
     return tmp_path / family
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("family", sorted(WRITERS))
 def test_sampled_output_follows_the_targets_distribution(tmp_path, family):
     """Drafts drawn from the MTP distribution p, accepted by min(1, q/p) with residual
@@ -173,6 +174,7 @@ def test_a_target_without_modules_is_refused_in_one_line(smollm_dir, tmp_path):
     assert refused.exit_code != 0 and "declares no MTP layers" in refused.output
 
 
+@pytest.mark.slow  # bench on SmolLM2
 def test_bench_skips_mtp_on_a_target_without_modules_and_says_why(tmp_path):
     out = tmp_path / "report.json"
     result = CliRunner().invoke(main, [

@@ -104,6 +104,7 @@ class CountingDraftModel(DraftModelDrafter):
         return super().propose(tokens, k, sampling)
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("drafter_kind", ["plain", "fixed_one_hot", "draft_model",
                                           "draft_model+lookup"])
 def test_spec_sampling_matches_target_distribution(target, draft_model, exact, drafter_kind):
@@ -125,6 +126,7 @@ def wrong_rule(logits, drafts, draft_probs, sampling):
     return accepted, mx.random.categorical(logq[accepted])
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("drafter_kind", ["fixed_one_hot", "draft_model"])
 def test_wrong_rule_is_caught(target, draft_model, exact, monkeypatch, drafter_kind):
     drafter = FixedDrafter() if drafter_kind == "fixed_one_hot" else DraftModelDrafter(draft_model)
@@ -160,6 +162,7 @@ def test_processed_distribution_matches_numpy_top_p():
         np.testing.assert_allclose(got, want / want.sum(), atol=1e-5)
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 def test_spec_sampling_on_a_hybrid_target_matches_its_distribution():
     """A Qwen3-Next target (Gated DeltaNet + attention): one-hot drafts it often rejects, each
     rejection undone by restoring its recurrent states; the samples follow q exactly."""

@@ -266,6 +266,7 @@ def test_api_key_is_required_when_set(smollm):
         running.stop()
 
 
+@pytest.mark.slow  # `mlxspec serve` on SmolLM2, as a process
 def test_cli_serve_answers_curl_like_requests_and_drains_on_sigterm():
     """`mlxspec serve` as a process: loopback by default; a request in flight when SIGTERM
     arrives still gets its whole reply; then the process ends, by the signal uvicorn raises

@@ -423,6 +423,7 @@ def _torch_samples(model, drafter, sampling, samples, *, seed=1234, num_draft=2,
     return counts, stats
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("kind", ["fixed_one_hot", "draft_model"])
 def test_sampled_output_follows_target_distribution(sampling_twins, kind):
     from test_sampling_exactness import SAMPLES, SAMPLING, chi_squared_pvalue, exact_distribution

@@ -274,6 +274,7 @@ def test_families_and_checkpoints_refused_in_one_line(deepseek, tmp_path):
         build_mtp_model(model, config, tensors)
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 def test_sampled_output_follows_the_targets_distribution(tmp_path):
     """Drafts drawn from the torch module's distribution p, accepted by the torch rule: the
     samples follow the target's q exactly (chi-squared over every sequence; q from the MLX

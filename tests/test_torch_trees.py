@@ -219,6 +219,7 @@ def wrong_torch_rule(logits, tokens, shape, probs, sampling):
     return accepted, categorical(q), path
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("shape, sampled", [(table_trees.BINARY, False),
                                             (table_trees.UNEVEN, True)],
                          ids=["binary-top-k", "uneven-sampled"])
@@ -228,6 +229,7 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution(shape, sampled):
     assert table_trees.chi_squared_pvalue(counts) > 1e-3
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
 def test_a_rule_without_the_residual_fails_the_same_test(sampled):
     torch.manual_seed(0)

@@ -88,6 +88,7 @@ def chi_squared_pvalue(counts):
     return scipy_stats.chisquare(pooled_obs, pooled_exp).pvalue
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("shape", [BINARY, UNEVEN], ids=["binary", "uneven"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
 def test_sampled_tree_acceptance_is_exact(shape, sampled):
@@ -102,6 +103,7 @@ def wrong_rule(logits, tokens, shape, draft_probs, sampling):
     return accepted, mx.random.categorical(logits[path[-1]] / sampling.temp), path
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
 def test_a_rule_without_the_residual_fails_the_same_test(sampled):
     """The chi-squared test must catch a biased rule, or it proves nothing."""

@@ -179,11 +179,13 @@ def tree_pvalue(small_target, sampled):
                                    np.append(expected[big], expected[~big].sum())).pvalue
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
 def test_sampled_trees_keep_the_target_distribution(small_target, sampled):
     assert tree_pvalue(small_target, sampled) > 1e-3
 
 
+@pytest.mark.slow  # χ²: thousands of sampled generations
 def test_a_biased_tree_rule_fails_the_same_test(small_target, monkeypatch):
     """The engine-level test has power: a rule that draws the next token from the target's q
     where the branch ends, not from what the rejections left of it, is caught."""
