@@ -21,7 +21,7 @@ from mlxspec.drafters.shipped import find_shipped_drafter
 from mlxspec.generate import encode_prompt, stream_generate
 from mlxspec.models.dflash import DFlashConfig, read_draft_vocab, read_weights
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
-from mlxspec.target_parts import embedding_checksum, head_rows, target_head, target_sizes
+from mlxspec.backends.mlx.target_parts import embedding_checksum, head_rows, target_head, target_sizes
 from mlxspec.training.dflash_trainer import MLXDFlashTraining, _schedule, training_logits
 
 def slot1_confidence(math, rows, vocab, tokens, prompt_len):

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.models.dflash import DFlashConfig
-from mlxspec.target_parts import target_head
+from mlxspec.backends.mlx.target_parts import target_head
 from mlxspec.training.data import SequenceStore
 from mlxspec.training.dflash_trainer import (
     MLXDFlashTraining,

@@ -20,7 +20,12 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
-from ..checkpoint_checks import check_config, check_no_remote_code, load_tokenizer
+from ..checkpoint_checks import (
+    check_config,
+    check_no_remote_code,
+    load_tokenizer,
+    mlx_lm_model_type,
+)
 from ..file_checks import check_safetensors, one_line, read_json_object
 from .atomic import atomic_output_dir, check_output_dir
 
@@ -163,16 +168,6 @@ def check_weights(path: Path) -> None:
 _ATTENTION_PERIOD_TYPES = {
     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
 }
-# Text-only configs of multimodal families: mlx-lm reads them with the family's class, which
-# takes a flat config as its text config.
-_TEXT_ONLY_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
-
-
-def mlx_lm_model_type(model_type: Optional[str]) -> Optional[str]:
-    """The model type mlx-lm knows ``model_type`` as (``qwen3_5_text`` -> ``qwen3_5``)."""
-    return _TEXT_ONLY_TYPES.get(model_type, model_type)
-
-
 def _attention_period(cfg: Dict[str, Any], where: str) -> Optional[int]:
     """The period of ``layer_types`` ("full_attention" every n-th layer), or None without it."""
     layer_types = cfg.get("layer_types")

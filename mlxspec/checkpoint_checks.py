@@ -41,11 +41,19 @@ def _native_tokenizer(tokenizer_config: dict) -> bool:
     return isinstance(name, str) and tokenizer_class_from_name(name) is not None
 
 
+# Text-only configs of multimodal families: mlx-lm reads them with the family's class, which
+# takes a flat config as its text config.
+_TEXT_ONLY_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def mlx_lm_model_type(model_type: str | None) -> str | None:
+    """The model type mlx-lm knows ``model_type`` as (``qwen3_5_text`` -> ``qwen3_5``)."""
+    return _TEXT_ONLY_TYPES.get(model_type, model_type)
+
+
 def _native_model(model_type) -> bool:
     """Whether mlx-lm implements the architecture (then a config's auto_map is never used)."""
     from mlx_lm.utils import _get_classes
-
-    from .converters.hf import mlx_lm_model_type
 
     try:
         _get_classes({"model_type": mlx_lm_model_type(model_type)})

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from .backends import backend_named
-from .checkpoint_checks import check_config, check_no_remote_code
+from .checkpoint_checks import check_config, check_no_remote_code, mlx_lm_model_type
 from .file_checks import check_safetensors, read_json_object
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -57,8 +57,6 @@ def check_model_dir(path: Path) -> None:
     if model_type is None:
         raise ValueError(f"{config_path} has no model_type")
     from mlx_lm.utils import _get_classes
-
-    from .converters.hf import mlx_lm_model_type
 
     try:
         _get_classes({"model_type": mlx_lm_model_type(model_type)})

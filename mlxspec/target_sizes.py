@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 class TargetSizes(NamedTuple):
     """What a drafter checkpoint is checked against, and a shipped drafter found by: the MLX
-    backend's `mlxspec.target_parts.target_sizes`, the torch backend's
+    backend's `mlxspec.backends.mlx.target_parts.target_sizes`, the torch backend's
     `backends.torch.target.target_sizes`."""
 
     hidden_size: int

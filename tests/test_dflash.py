@@ -31,7 +31,7 @@ from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
 from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
 from mlxspec.sampling import SamplingConfig
-from mlxspec.target_parts import head_rows
+from mlxspec.backends.mlx.target_parts import head_rows
 
 GREEDY = SamplingConfig()
 

@@ -17,7 +17,7 @@ from mlxspec.engine import Drafter, SpecStats, speculative_tokens
 from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
 from mlxspec.sampling import SamplingConfig
-from mlxspec.target_parts import target_embedding, target_final_norm, target_head
+from mlxspec.backends.mlx.target_parts import target_embedding, target_final_norm, target_head
 from mlxspec.training.data import SequenceStore, greedy_response, load_examples, split_heldout
 from mlxspec.training.dflash_trainer import (
     block_loss,

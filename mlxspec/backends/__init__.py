@@ -78,10 +78,9 @@ def _mlx() -> Backend:
     import mlx.core as mx
 
     from .._blas import blas_in_use
-    from ..distributed import stage_of
-    from ..target_parts import embedding_checksum, target_sizes
+    from .mlx.target_parts import embedding_checksum, target_sizes
     from .mlx.loading import loader
-    from .mlx.target import MLXTarget, PromptCache, context_length, vocab_size
+    from .mlx.target import MLXTarget, PromptCache, context_length, stage_of, vocab_size
 
     def describe(model) -> str:
         stage = stage_of(model)

@@ -8,10 +8,11 @@ decides, and each step it posts the other ranks their work in one small all-sum
 import mlx.core as mx
 
 from ..backends.mlx.hidden_states import decoder_layers
+from ..backends.mlx.target import STAGE, stage_of
 from .link import DistributedError, Link
 from .ranks import Follower, LeaderTarget, cache_slot, follow_generation, follower, leading
-from .stage import (SHARDINGS, STAGE, Stage, check_caches_per_layer, layer_split,
-                    split_pipeline, split_tensors, stage_of)
+from .stage import (SHARDINGS, Stage, check_caches_per_layer, layer_split, split_pipeline,
+                    split_tensors)
 
 
 def launched() -> bool:

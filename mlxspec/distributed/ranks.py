@@ -15,11 +15,11 @@ from itertools import count
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..backends.mlx.target import MLXTarget, cache_offset, stage_of
 from ..engine import Draft, Pass, Verdict
-from ..backends.mlx.target import MLXTarget, cache_offset
 from ..sampling import SamplingConfig
 from .link import BEGIN, END, PASS, SHUTDOWN, TRIM, DistributedError, Link, Settled
-from .stage import Share, stage_of
+from .stage import Share
 
 _slots = count(1)
 

@@ -26,7 +26,6 @@ from ..backends.mlx.hidden_states import _Recorder, concat_features, decoder_lay
 from ..backends.mlx.target import model_setting
 
 SHARDINGS = ("pipeline", "tensor")
-STAGE = "mlxspec_stage"  # where a split model keeps its Stage
 
 
 class _HeldElsewhere:
@@ -169,11 +168,6 @@ class Stage:
         if capture_layers and not sends:
             features = concat_features([sink[i] for i in capture_layers])
         return logits, features, sink[last]
-
-
-def stage_of(model) -> Stage | None:
-    """The share of a split target this process runs; None for a whole model."""
-    return getattr(model, STAGE, None)
 
 
 class Share:

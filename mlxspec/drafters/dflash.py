@@ -25,7 +25,7 @@ from ..models.dflash import (
     read_weights,
 )
 from ..sampling import SamplingConfig
-from ..target_parts import (
+from ..backends.mlx.target_parts import (
     dtype_of,
     head_rows,
     target_embedding,

@@ -46,7 +46,7 @@ def load_eagle3_drafter(path, *, model, tokenizer=None, dtype=None, tree_budget:
     `tokenizer` is accepted for symmetry with other drafters.
     `tree_budget`: draft EAGLE-2's dynamic tree of up to this many nodes, `tree_width` children
     per node and `tree_depth` levels, instead of a chain."""
-    from ..target_parts import target_sizes
+    from ..backends.mlx.target_parts import target_sizes
     from .eagle3_loading import load_eagle3_model
 
     check_tree_options(tree_budget, tree_width, tree_depth)

@@ -28,7 +28,7 @@ from ..backends import backend_for
 from ..checkpoint_checks import check_checkpoint_config
 from ..models.dflash import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Model
-from ..target_parts import dtype_of, target_embedding, target_head, target_sizes
+from ..backends.mlx.target_parts import dtype_of, target_embedding, target_head, target_sizes
 from ..target_sizes import TargetSizes
 
 

@@ -24,7 +24,7 @@ from ..backends.mlx.hidden_states import decoder_layers
 from ..models.medusa import check_checkpoint, load_heads
 from ..sampling import SamplingConfig
 from ..backends.mlx.sampling import processed_logprobs
-from ..target_parts import target_embedding, target_final_norm, target_head, target_sizes
+from ..backends.mlx.target_parts import target_embedding, target_final_norm, target_head, target_sizes
 from ..tree import check_tree
 from .ddtree import best_first_draft
 

@@ -46,7 +46,7 @@ from ..models.dflash import (
     read_weights,
     training_mask,
 )
-from ..target_parts import target_embedding, target_final_norm, target_head, target_sizes
+from ..backends.mlx.target_parts import target_embedding, target_final_norm, target_head, target_sizes
 from ..target_sizes import check_against_target
 from .data import _atomic_write_text, eos_ids
 from .features import head_weight, raw_features_of, sequence_features

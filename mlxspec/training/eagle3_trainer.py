@@ -31,7 +31,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from ..drafters.eagle3 import Eagle3Drafter
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
-from ..target_parts import target_embedding, target_final_norm, target_head, target_sizes
+from ..backends.mlx.target_parts import target_embedding, target_final_norm, target_head, target_sizes
 from .features import features_batch, head_weight, raw_features_of
 from .run import (
     MLXTraining,

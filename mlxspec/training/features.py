@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..backends.mlx.hidden_states import capture_layer_outputs, concat_features, decoder_layers
-from ..target_parts import target_final_norm, target_inner
+from ..backends.mlx.target_parts import target_final_norm, target_inner
 
 
 def target_features(target, tokens, layer_ids, *, predictions: bool = False):

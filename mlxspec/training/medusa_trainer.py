@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from ..drafters.medusa import MedusaDrafter
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.medusa import WEIGHTS, MedusaHeads, parameter_name, published_weights
-from ..target_parts import target_head, target_sizes
+from ..backends.mlx.target_parts import target_head, target_sizes
 from .features import features_batch, head_weight, raw_features_of
 from .eagle3_trainer import answer_labels, label_map_of
 from .run import (

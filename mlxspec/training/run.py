@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..request import check_count
-from ..target_parts import embedding_checksum, target_embedding, target_sizes
+from ..backends.mlx.target_parts import embedding_checksum, target_embedding, target_sizes
 from .data import (
     SequenceStore,
     _atomic_save_safetensors,

@@ -19,6 +19,16 @@ from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from .tree_pass import attention_modules, holds_trees, keep_branch, tree_pass
 
 
+STAGE = "mlxspec_stage"  # where mlxspec.distributed keeps a split model's Stage
+
+
+def stage_of(model):
+    """The share of a split target this process runs (a distributed Stage); None for a whole
+    model. Read here, beside the model it is attached to, so that describing or running a model
+    does not import the distributed package."""
+    return getattr(model, STAGE, None)
+
+
 def model_setting(model, name: str):
     """A setting of an mlx-lm model's config; multimodal wrappers (qwen3_5) keep the language
     model's in their text_config."""

@@ -2,14 +2,14 @@
 and final norm, its sizes, and the checksum that tells targets of equal sizes apart.
 
 mlx-lm models nest these differently (model, model.model, language_model...); every drafter
-and trainer reads them through here. The torch backend's twins are in backends.torch.target.
+and trainer reads them through here. The torch backend's twins are in backends/torch/target.py.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .backends.mlx.hidden_states import decoder_layers
-from .target_sizes import TargetSizes
+from .hidden_states import decoder_layers
+from ...target_sizes import TargetSizes
 
 
 def target_inner(model):
