@@ -5,6 +5,7 @@ the entry's options, the run's shared flags (data, schedule, evaluation) from he
 
 import click
 
+from mlxspec.backends import BACKENDS
 from mlxspec.training import registry
 
 
@@ -64,7 +65,7 @@ RUN = [
                  help="Longest generated response."),
     click.option("--data-dir", type=click.Path(file_okay=False), default=None,
                  help="Where the response token ids are cached (default: OUT/data)."),
-    click.option("--generate-with", type=click.Choice(["mlx", "torch"]), default="mlx",
+    click.option("--generate-with", type=click.Choice(BACKENDS), default="mlx",
                  show_default=True,
                  help="Backend that writes the target's responses (batched; torch is ~2x faster "
                       "on CPU; needs mlxspec[torch])."),
@@ -120,19 +121,17 @@ def check_run_options(options: dict) -> None:
         raise click.BadParameter(f"must be > 0, got {options['minutes']}", param_hint="--minutes")
 
 
-def load_targets(target, dtype, generate_with, backend="mlx", device=None):
-    """(MLX target, tokenizer, torch target or None, response generator or None)."""
-    from mlxspec.backends import require_torch
+def load_targets(target, dtype, device, backends):
+    """(MLX target, tokenizer, {name: the target on that backend}) for each of `backends` that
+    does not run mlx-lm models (float32 on any device: the recipe's features and labels, as on
+    the MLX side)."""
     from mlxspec.loading import load
 
-    if "torch" in (backend, generate_with):
-        require_torch()  # before the target is converted or loaded
     model, tokenizer = load(target, dtype=dtype)
-    torch_model = None
-    if "torch" in (backend, generate_with):
-        # float32 on any device: the recipe's features and labels, as on the MLX side
-        torch_model = load(target, backend="torch", device=device, torch_dtype="float32")[0]
-    return model, tokenizer, torch_model, torch_model if generate_with == "torch" else None
+    names = dict.fromkeys(b.name for b in backends if not b.mlx_lm)  # each loaded once
+    copies = {name: load(target, backend=name, device=device, torch_dtype="float32")[0]
+              for name in names}
+    return model, tokenizer, copies
 
 
 def report(result) -> None:
@@ -148,20 +147,21 @@ def run_training(kind, target, dtype, generate_with, backend="mlx", device=None,
     """Load the target(s), train, report; a user's mistake is one Error: line. The torch
     backend, when chosen, is handed to the trainer: its training steps (--backend torch) or its
     feature pass (--features-with torch)."""
+    from mlxspec.backends import backend_named
     from mlxspec.extras import MissingExtraError
 
     try:
-        model, tokenizer, torch_model, generator = load_targets(
-            target, dtype, generate_with, "torch" if features_with == "torch" else backend,
-            device)
-        if "torch" in (backend, features_with):
-            from mlxspec.backends.torch.dflash_training import TorchTraining
-
-            training = TorchTraining(torch_model, device=device)
-            if backend == "torch":
-                options["torch_training"] = training
-            if features_with == "torch":
-                options["feature_pass"] = training.features
+        # named first: a backend's missing extra is said before the target is converted or loaded
+        steps_on, features_on, generator_on = map(backend_named,
+                                                  (backend, features_with, generate_with))
+        model, tokenizer, copies = load_targets(target, dtype, device,
+                                                (steps_on, features_on, generator_on))
+        generator = copies.get(generator_on.name)  # None: the MLX target writes the responses
+        if steps_on.training is not None:
+            options["torch_training"] = steps_on.training(copies[steps_on.name], device)
+        if features_on.training is not None:
+            options["feature_pass"] = features_on.training(copies[features_on.name],
+                                                           device).features
         result = kind.train(model, options.pop("prompts"), options.pop("out"),
                             tokenizer=tokenizer, generator=generator, backend=backend, **options)
     except (ValueError, OSError, MissingExtraError) as err:

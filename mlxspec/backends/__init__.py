@@ -36,6 +36,9 @@ class Backend:
     embedding_checksum: Callable[[Any], float]  # tells shipped drafters' targets apart
     describe: Callable[[Any], str]  # where a model runs, for --verbose and bench reports
     run_steps: Callable[[Iterator], Iterator] = iter  # each step of the loop, run as it needs
+    # (model, device) -> the trainers' steps and feature pass on this backend, over its own copy
+    # of the target (torch: TorchTraining); None: the trainers' own MLX steps.
+    training: "Callable[[Any, Any], Any] | None" = None
     devices: bool = False  # load(device=, torch_dtype=) and --device choose where it runs
     mlx_lm: bool = False  # runs mlx-lm models: split targets, mlx-lm as a bench peer
 
@@ -105,8 +108,15 @@ def _torch() -> Backend:
         peak_memory_gb=tb.peak_memory_gb, context_length=tb.context_length,
         vocab_size=tb.vocab_size, target_sizes=target_sizes,
         embedding_checksum=embedding_checksum, describe=tb.describe,
-        run_steps=tb.run_steps, devices=True,
+        run_steps=tb.run_steps, training=_torch_training, devices=True,
     )
+
+
+def _torch_training(model, device=None):
+    """The torch backend's `Backend.training`: imported when a run first needs it."""
+    from .torch.dflash_training import TorchTraining
+
+    return TorchTraining(model, device=device)
 
 
 _BUILDERS = {"mlx": _mlx, "torch": _torch}

@@ -34,6 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..drafters.dflash import DFlashDrafter
+from ..backends import BACKENDS, backend_named
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.dflash import (
     ARCHITECTURE,
@@ -547,19 +548,20 @@ def train_dflash(
     """
     run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, backend=backend,
                       **run_options)
-    if backend not in ("mlx", "torch"):
-        raise ValueError(f"backend must be 'mlx' or 'torch', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be {' or '.join(map(repr, BACKENDS))}, got {backend!r}")
+    own_steps = backend_named(backend).training is not None  # else the MLX steps here
     recipe = DFlashRecipe(layers=layers, block_size=block_size, target_layer_ids=target_layer_ids,
                           anchors=anchors, gamma=gamma, init=init, init_final_norm=init_final_norm,
                           mask_token_id=mask_token_id, drafter_overrides=drafter_overrides,
-                          torch_training=torch_training if backend == "torch" else None)
+                          torch_training=torch_training if own_steps else None)
     run.check()
     recipe.check_growth(run.out if run.resume else recipe.start_from)
     raw_features = None
-    if backend == "torch":
+    if own_steps:
         if torch_training is None:
-            raise ValueError("backend='torch' needs torch_training=, mlxspec.backends.torch."
+            raise ValueError(f"backend={backend!r} needs torch_training=, mlxspec.backends.torch."
                              "dflash_training.TorchTraining(the target loaded with "
-                             "mlxspec.load(..., backend='torch'))")
+                             f"mlxspec.load(..., backend={backend!r}))")
         raw_features = raw_features_of(torch_training.features)  # the backend that trains
     return train(recipe, target, run, raw_features=raw_features)

@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..drafters.eagle3 import Eagle3Drafter
+from ..backends import backend_named
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.eagle3 import Eagle3Config, Eagle3Model
 from ..backends.mlx.target_parts import target_embedding, target_final_norm, target_head, target_sizes
@@ -311,7 +312,7 @@ def train_eagle3(target, prompts, out, *, tokenizer=None, ttt_steps: int | None 
     recipe = Eagle3Recipe(ttt_steps=ttt_steps, decay=decay, aux_layer_ids=aux_layer_ids,
                           speculative_tokens=speculative_tokens, feature_pass=feature_pass)
     run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, **run_options)
-    if run.backend != "mlx":
+    if backend_named(run.backend).training is not None:  # steps of its own, not these MLX ones
         raise ValueError("EAGLE-3 training runs on the MLX backend only")
     raw_features = raw_features_of(feature_pass) if feature_pass is not None else None
     return train(recipe, target, run, raw_features=raw_features)

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..drafters.medusa import MedusaDrafter
+from ..backends import backend_named
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.medusa import WEIGHTS, MedusaHeads, parameter_name, published_weights
 from ..backends.mlx.target_parts import target_head, target_sizes
@@ -212,7 +213,7 @@ def train_medusa(target, prompts, out, *, tokenizer=None, num_heads: int | None 
                           own_projection=own_projection, feature_pass=feature_pass)
     run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, normalize_features=False,
                       **run_options)
-    if run.backend != "mlx":
+    if backend_named(run.backend).training is not None:  # steps of its own, not these MLX ones
         raise ValueError("Medusa training runs on the MLX backend only")
     raw_features = raw_features_of(feature_pass) if feature_pass is not None else None
     return train(recipe, target, run, raw_features=raw_features)

@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..backends import BACKENDS
 from ..drafters.registry import lazy
-
-BACKEND_CHOICES = ("mlx", "torch")
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ def trainer_kinds() -> dict[str, TrainerKind]:
 
 # The frozen target's feature pass on torch, feeding MLX steps (a run's `feature_pass`).
 FEATURES_WITH = TrainerOption(
-    "features_with", "--features-with", choices=BACKEND_CHOICES, default="mlx",
+    "features_with", "--features-with", choices=BACKENDS, default="mlx",
     help="Backend of the frozen target's feature pass (torch: ~4x faster on a Linux CPU; needs "
          "mlxspec[torch]); the drafter's steps run on MLX.")
 
@@ -128,7 +127,7 @@ register(TrainerKind(
                  "drafting; verification keeps the full head). 8192 held 85-92% of SmolLM2's "
                  "tokens on the benchmark suites, 16384 92-95%. Default: the full vocabulary."),
         TrainerOption(
-            "backend", "--backend", choices=BACKEND_CHOICES, default="mlx",
+            "backend", "--backend", choices=BACKENDS, default="mlx",
             help="Where the training steps run: MLX, or torch (same checkpoint; ~2.5x faster "
                  "on a Linux CPU, CUDA with --device; needs mlxspec[torch])."),
         TrainerOption("device", "--device",

@@ -157,6 +157,13 @@ class RunSettings:
         self.check_writable()
 
 
+# Run settings a resume must keep: (the value of runs saved before it was recorded, the hint).
+KEPT_ON_RESUME = {
+    "backend": ("mlx", "that backend (the optimizer state is per backend)"),
+    "labels": ("text", "the same labels"),
+}
+
+
 class Recipe:
     """What one drafter kind's training says; `train` runs it. Subclasses fill these in."""
 
@@ -513,12 +520,10 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
     if run.resume:
         config = json.loads((out / "config.json").read_text())
         state = json.loads((state_dir / "state.json").read_text())
-        if state.get("backend", "mlx") != run.backend:
-            raise ValueError(f"{out} was trained with backend={state.get('backend', 'mlx')!r}; "
-                             f"resume it with that backend (the optimizer state is per backend)")
-        if state.get("labels", "text") != run.labels:
-            raise ValueError(f"{out} was trained with labels={state.get('labels', 'text')!r}; "
-                             f"resume it with the same labels")
+        for key, (before, hint) in KEPT_ON_RESUME.items():
+            saved = state.get(key, before)
+            if saved != getattr(run, key):
+                raise ValueError(f"{out} was trained with {key}={saved!r}; resume it with {hint}")
         for key in recipe.state_keys:
             if getattr(recipe, key) is None:
                 setattr(recipe, key, state.get(key))
