@@ -8,78 +8,25 @@ from mlxspec import _blas
 
 _blas.preload_openblas()
 
-from mlxspec.backends import BACKENDS  # noqa: E402
+from mlxspec.cli.errors import _fail, _user_errors  # noqa: E402  (after OpenBLAS is loaded above)
+from mlxspec.cli.options import (  # noqa: E402
+    DrafterChoice,
+    _backend,
+    _check_backend,
+    _check_drafter,
+    _drafter_option_flags,
+    _options_for,
+    model_options,
+    shard_option,
+)
+from mlxspec.cli.serve import serve  # noqa: E402
+from mlxspec.cli.targets import _backend_line, load_target, split_target  # noqa: E402
+from mlxspec.cli.train import train  # noqa: E402
 from mlxspec.distributed import DistributedError  # noqa: E402
-from mlxspec.drafters import registry  # noqa: E402  (after OpenBLAS is loaded above)
+from mlxspec.drafters import registry  # noqa: E402
 
 
 POSITIVE = click.IntRange(min=1)  # a count: 0 or -1 would mean "none" or "all", silently
-
-
-class DrafterChoice(click.Choice):
-    """--drafter's choices, read from the drafter registry when a command runs (a drafter
-    registered after this module was imported is offered too)."""
-
-    def __init__(self):
-        self.case_sensitive = True
-
-    @property
-    def choices(self):
-        return registry.drafter_names()
-
-
-def _fail(err: Exception):
-    raise click.ClickException(str(err)) from None
-
-
-def _user_errors() -> tuple:
-    """What bad input files, a missing extra or the disk (full, read-only) raise while loading or
-    converting: one line each from the CLI. OSError covers permissions and disk space."""
-    from mlxspec.extras import MissingExtraError
-
-    return (ValueError, OSError, MissingExtraError, DistributedError)
-
-
-def model_options(f):
-    f = click.option("--device", default=None,
-                     help="torch device for --backend torch (default: cuda when available, "
-                          "else cpu; bfloat16 on CUDA, float32 on the CPU).")(f)
-    f = click.option("--backend", type=click.Choice(BACKENDS), default="mlx",
-                     show_default=True,
-                     help="Run on MLX, or on torch (transformers models, for NVIDIA machines).")(f)
-    f = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
-                     default="float32", show_default=True,
-                     help="Weights dtype when converting a .gguf or HF model on first use.")(f)
-    f = click.option("--model", "-m", default=None,
-                     help="Model directory, .gguf file or HF repo id. Default: the embedded "
-                          "SmolLM2-135M-Instruct.")(f)
-    return f
-
-
-def shard_option(f):
-    return click.option(
-        "--shard", type=click.Choice(["pipeline", "tensor"]), default="pipeline",
-        show_default=True,
-        help="Under mlx.launch (two or more ranks): split the target by layers across the ranks "
-             "(pipeline), or split every layer (tensor; the head counts must divide).")(f)
-
-
-def split_target(target):
-    """Under mlx.launch: the other ranks follow rank 0's passes until it shuts them down, then
-    exit here; rank 0 shuts them down when its command ends, however it ends."""
-    from mlxspec.distributed import follower, stage_of
-
-    stage = stage_of(target)
-    if stage is None:
-        return
-    if stage.leads:
-        click.get_current_context().call_on_close(stage.link.shutdown)
-        return
-    try:
-        follower(target).serve()
-    except DistributedError as err:
-        _fail(err)
-    sys.exit(0)  # the command's work was rank 0's
 
 
 def decoding_options(f):
@@ -117,13 +64,6 @@ def _checkpoint_help(kind) -> str:
     return kind.checkpoint.what + shipped
 
 
-def _drafter_option_flags() -> list:
-    """A flag per option the registered drafters take (--block-size, --full-vocab, ...)."""
-    return [click.option(o.flags, o.name, type=o.type, default=o.default,
-                         show_default=o.default is not None, help=o.help)
-            for o in registry.drafter_options()]
-
-
 def _request(max_tokens, num_draft=None, adaptive=True, **sampling):
     """The generation's Request from the flags, checked before a model loads (chat: before the
     REPL starts); a refused value names its flag."""
@@ -136,27 +76,6 @@ def _request(max_tokens, num_draft=None, adaptive=True, **sampling):
     except (TypeError, ValueError) as err:
         name = str(err).split()[0]
         raise click.BadParameter(str(err), param_hint=f"--{name.replace('_', '-')}") from None
-
-
-def _check_drafter(drafter, draft_model, options):
-    """The drafter flags checked before a model loads; `options` are the drafter options'
-    flags (block_size=..., draft_vocab=...)."""
-    kind = registry.drafter_kind(drafter)
-    checkpoint = kind.checkpoint
-    if checkpoint is not None and checkpoint.shipped is None and not draft_model:
-        raise click.BadParameter(f"--drafter {drafter} needs --draft-model",
-                                 param_hint="--draft-model")
-    if draft_model and checkpoint is None:
-        raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
-    for option in registry.drafter_options():
-        value = options.get(option.name, option.default)
-        problem = option.problem(value)
-        if problem:
-            raise click.BadParameter(problem, param_hint=option.flag_for(value))
-        if value != option.default and option not in kind.options:
-            takers = " or ".join(registry.takers(option))
-            raise click.BadParameter(f"only applies to --drafter {takers}",
-                                     param_hint=option.flag_for(value))
 
 
 def _config_before_loading(folder) -> dict | None:
@@ -207,43 +126,6 @@ def _dflash_checkpoints(draft_model, target: dict) -> list:
     return [folder for folder, _ in shipped_candidates(sizes)]
 
 
-def _options_for(drafter: str, values: dict) -> dict:
-    """load_drafter options for `drafter` from the flags' values: the ones it takes, the
-    defaults left out."""
-    return {o.name: values[o.name] for o in registry.drafter_kind(drafter).options
-            if values.get(o.name, o.default) != o.default}
-
-
-def _backend(name):
-    """The backend --backend names; a missing extra is one Error: line."""
-    from mlxspec.backends import backend_named
-
-    try:
-        return backend_named(name)
-    except _user_errors() as err:
-        _fail(err)
-
-
-def _check_backend(backend, device):
-    if device is not None and not _backend(backend).devices:
-        raise click.BadParameter("applies to --backend torch only", param_hint="--device")
-
-
-def load_target(model, dtype, backend, device, shard):
-    """The target, split across the ranks when mlx.launch started several (see split_target)."""
-    import mlxspec
-    from mlxspec.distributed import launched
-
-    if launched() and not _backend(backend).mlx_lm:
-        raise click.BadParameter("a target split across ranks runs on mlx only",
-                                 param_hint="--backend")
-    try:
-        return mlxspec.load(model, dtype=dtype, backend=backend, device=device,
-                            shard=shard if launched() else None)
-    except _user_errors() as err:
-        _fail(err)
-
-
 def _load_all(model, dtype, backend, device, drafter, draft_model, options, verbose, shard):
     import mlxspec
 
@@ -257,12 +139,6 @@ def _load_all(model, dtype, backend, device, drafter, draft_model, options, verb
     if verbose:
         click.echo(_backend_line(target), err=True)
     return target, tokenizer, spec
-
-
-def _backend_line(target) -> str:
-    from mlxspec.backends import backend_for
-
-    return backend_for(target).describe(target)
 
 
 def build_prompt(tokenizer, messages, no_chat_template, template: str = "the chat template"):
@@ -669,11 +545,8 @@ def _bench_overhead(model, dtype, backend, drafters, suites, temps, max_tokens, 
     _emit_report(report, overhead_table(report), out, markdown, plot, plot_overhead)
 
 
-from mlxspec.cli.train import train  # noqa: E402  (after OpenBLAS is loaded above)
-
 main.add_command(train)
-
-import mlxspec.cli.serve  # noqa: E402, F401  (registers `serve` with main)
+main.add_command(serve)
 
 if __name__ == "__main__":
     main()

@@ -4,22 +4,18 @@ from pathlib import Path
 
 import click
 
-from mlxspec.cli.main import (
+from mlxspec.cli.errors import _fail, _user_errors
+from mlxspec.cli.options import (
     DrafterChoice,
-    _backend_line,
     _check_backend,
     _check_drafter,
     _drafter_option_flags,
-    _fail,
     _options_for,
-    _user_errors,
-    load_target,
-    main,
     model_options,
     shard_option,
-    split_target,
+    shared,
 )
-from mlxspec.cli.train import shared
+from mlxspec.cli.targets import _backend_line, load_target, split_target
 from mlxspec.server.requests import DEFAULT_MAX_NUM_DRAFT
 
 
@@ -34,7 +30,7 @@ def _model_id(model: str | None) -> str:
     return path.name if path.exists() else model
 
 
-@main.command()
+@click.command()
 @model_options
 @shard_option
 @shared([
@@ -106,4 +102,4 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
                 timeout_graceful_shutdown=30)
 
 
-__all__ = ["serve"]  # registered with main by its decorator; main imports this module
+__all__ = ["serve"]  # main registers it (main.add_command)

@@ -6,21 +6,13 @@ the entry's options, the run's shared flags (data, schedule, evaluation) from he
 import click
 
 from mlxspec.backends import BACKENDS
+from mlxspec.cli.options import shared
 from mlxspec.training import registry
 
 
 @click.group()
 def train():
     """Train drafters for a target model."""
-
-
-def shared(options):
-    """Apply click options (listed top to bottom) to a command."""
-    def decorate(command):
-        for option in reversed(options):
-            command = option(command)
-        return command
-    return decorate
 
 
 TARGET = [

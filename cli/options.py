@@ -1,0 +1,107 @@
+"""The click options, parameter types and flag checks that more than one command shares
+(main's generate/chat/bench, serve): the target's flags, --shard, --drafter and the drafters' own
+flags, and their checks before anything loads.
+
+Imported by mlxspec.cli.main after it has loaded OpenBLAS (as `import mlxspec` does first anyway):
+the drafter registry below imports mlx."""
+
+import click
+
+from mlxspec.backends import BACKENDS
+from mlxspec.cli.errors import _fail, _user_errors
+from mlxspec.drafters import registry
+
+
+class DrafterChoice(click.Choice):
+    """--drafter's choices, read from the drafter registry when a command runs (a drafter
+    registered after this module was imported is offered too)."""
+
+    def __init__(self):
+        self.case_sensitive = True
+
+    @property
+    def choices(self):
+        return registry.drafter_names()
+
+
+def model_options(f):
+    f = click.option("--device", default=None,
+                     help="torch device for --backend torch (default: cuda when available, "
+                          "else cpu; bfloat16 on CUDA, float32 on the CPU).")(f)
+    f = click.option("--backend", type=click.Choice(BACKENDS), default="mlx",
+                     show_default=True,
+                     help="Run on MLX, or on torch (transformers models, for NVIDIA machines).")(f)
+    f = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
+                     default="float32", show_default=True,
+                     help="Weights dtype when converting a .gguf or HF model on first use.")(f)
+    f = click.option("--model", "-m", default=None,
+                     help="Model directory, .gguf file or HF repo id. Default: the embedded "
+                          "SmolLM2-135M-Instruct.")(f)
+    return f
+
+
+def shard_option(f):
+    return click.option(
+        "--shard", type=click.Choice(["pipeline", "tensor"]), default="pipeline",
+        show_default=True,
+        help="Under mlx.launch (two or more ranks): split the target by layers across the ranks "
+             "(pipeline), or split every layer (tensor; the head counts must divide).")(f)
+
+
+def _drafter_option_flags() -> list:
+    """A flag per option the registered drafters take (--block-size, --full-vocab, ...)."""
+    return [click.option(o.flags, o.name, type=o.type, default=o.default,
+                         show_default=o.default is not None, help=o.help)
+            for o in registry.drafter_options()]
+
+
+def shared(options):
+    """Apply click options (listed top to bottom) to a command."""
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
+def _check_drafter(drafter, draft_model, options):
+    """The drafter flags checked before a model loads; `options` are the drafter options'
+    flags (block_size=..., draft_vocab=...)."""
+    kind = registry.drafter_kind(drafter)
+    checkpoint = kind.checkpoint
+    if checkpoint is not None and checkpoint.shipped is None and not draft_model:
+        raise click.BadParameter(f"--drafter {drafter} needs --draft-model",
+                                 param_hint="--draft-model")
+    if draft_model and checkpoint is None:
+        raise click.BadParameter(f"does not apply to --drafter {drafter}", param_hint="--draft-model")
+    for option in registry.drafter_options():
+        value = options.get(option.name, option.default)
+        problem = option.problem(value)
+        if problem:
+            raise click.BadParameter(problem, param_hint=option.flag_for(value))
+        if value != option.default and option not in kind.options:
+            takers = " or ".join(registry.takers(option))
+            raise click.BadParameter(f"only applies to --drafter {takers}",
+                                     param_hint=option.flag_for(value))
+
+
+def _options_for(drafter: str, values: dict) -> dict:
+    """load_drafter options for `drafter` from the flags' values: the ones it takes, the
+    defaults left out."""
+    return {o.name: values[o.name] for o in registry.drafter_kind(drafter).options
+            if values.get(o.name, o.default) != o.default}
+
+
+def _backend(name):
+    """The backend --backend names; a missing extra is one Error: line."""
+    from mlxspec.backends import backend_named
+
+    try:
+        return backend_named(name)
+    except _user_errors() as err:
+        _fail(err)
+
+
+def _check_backend(backend, device):
+    if device is not None and not _backend(backend).devices:
+        raise click.BadParameter("applies to --backend torch only", param_hint="--device")
