@@ -104,7 +104,13 @@ def _converted_once(source, name: str, dtype: str) -> Path:
 
         # A read-only cache fails here, with its fix, before any conversion work.
         os.rmdir(temp_dir_in(out.parent, ".write-test-", CACHE_FIX))
-        convert(source, out, dtype=dtype)
+        try:
+            convert(source, out, dtype=dtype)
+        except FileExistsError:
+            # Another process (a second CLI run, a test worker) published the same conversion
+            # first: its directory is complete, so use it.
+            if not out.is_dir():
+                raise
     return out
 
 

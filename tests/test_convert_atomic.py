@@ -139,3 +139,36 @@ def test_disk_full_is_named_and_leaves_nothing(tmp_path, writer):
     assert str(err.value).endswith(f"check the free space in {tmp_path} or write elsewhere "
                                    "(-o; MLXSPEC_CACHE for the model cache)")
     assert os.listdir(tmp_path) == []
+
+
+def _published_meanwhile(source, out, dtype):
+    """`convert` as it ends when another process published the same output first."""
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    raise FileExistsError(f"Output directory {out} appeared during the conversion.")
+
+
+def test_a_cache_conversion_another_process_finished_first_is_used(tmp_path, monkeypatch):
+    """Two processes converting the same model into the cache at once (two CLI runs on a fresh
+    machine): the one that publishes second uses the other's complete directory."""
+    import mlxspec.converters as converters
+    from mlxspec.loading import _converted_once
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(converters, "convert", _published_meanwhile)
+    out = _converted_once("source", "model-float32", "float32")
+    assert out == tmp_path / "models" / "model-float32"
+    assert (out / "config.json").is_file()
+
+
+def test_a_cache_conversion_that_fails_otherwise_still_fails(tmp_path, monkeypatch):
+    import mlxspec.converters as converters
+    from mlxspec.loading import _converted_once
+
+    def refused(source, out, dtype):
+        raise FileExistsError("something else exists")
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(converters, "convert", refused)
+    with pytest.raises(FileExistsError, match="something else"):
+        _converted_once("source", "model-float32", "float32")
