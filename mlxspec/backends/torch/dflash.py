@@ -1,6 +1,6 @@
-"""DFlash in torch: the drafter module and its loop adapter, ported from our MLX implementation
-(mlxspec.models.dflash and mlxspec.drafters.dflash), same math and same released checkpoint
-format (z-lab's safetensors names, config.json read by the same DFlashConfig).
+"""DFlash in torch: the drafter module, ported from our MLX one (mlxspec.models.dflash), same
+math and same released checkpoint format (z-lab's safetensors names, config.json read by the
+same DFlashConfig), and the tensor math under the shared drafting (drafters.dflash).
 
 N Qwen3-style layers fill a block [last token, MASK, ...] in one pass. Target features (outputs
 of `target_layer_ids`) are fused by `fc` + `hidden_norm` into one context vector per committed
@@ -15,13 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...drafters.dflash import check_block_size
-from ...engine import EMPTY_DRAFT, Draft, Drafter, Verdict
-from ...file_checks import check_safetensors
-from ...models.dflash import DFlashConfig, read_config, read_draft_vocab
-from ...sampling import SamplingConfig
-from ...target_sizes import check_against_target
-from ...tree import best_first_drafts, check_tree
+from ...drafters.dflash import DFlashDrafting, read_checkpoint
+from ...file_checks import check_safetensors, safetensors_files
+from ...models.dflash import DFlashConfig, check_weight_shapes
 from .target import decoder_layers, model_device, target_sizes
 from .transfer import host_tokens
 
@@ -257,118 +253,41 @@ class DFlashModel(nn.Module):
         return logits
 
 
-class TorchDFlashDrafter(Drafter):
-    """mlxspec.drafters.dflash.DFlashDrafter for the torch backend, line for line."""
+class TorchDFlashDrafter(DFlashDrafting):
+    """DFlashDrafting with torch's tensor math, under inference mode, on the model's device."""
 
-    name = "dflash"
     backend = "torch"
 
-    def __init__(self, model: DFlashModel, *, embed_tokens, lm_head, block_size=None,
-                 final_norm=None, target_layers: int | None = None, draft_vocab=None,
-                 tree_budget: int | None = None, tree_width: int = 4):
-        self.model = model
-        self.args = model.args
-        self.block_size = check_block_size(block_size, self.args.block_size)
-        self.default_num_draft = self.max_draft = self.block_size - 1
-        self.tree_budget, self.tree_width = check_tree(tree_budget, tree_width)  # DDTree
-        self.draft_trees(self.tree_budget)
-        self.capture_layers = tuple(self.args.target_layer_ids)
-        self.embed_tokens = embed_tokens
-        self.draft_ids = None
-        if draft_vocab is not None:  # drafts from these head rows only; verification is unchanged
-            self.draft_ids = torch.tensor(draft_vocab, device=lm_head.weight.device)
-            bias = getattr(lm_head, "bias", None)
-            lm_head = _WeightHead(lm_head.weight[self.draft_ids].detach(),
-                                  None if bias is None else bias[self.draft_ids].detach())
-        self.lm_head = lm_head
-        # Our capture is before the target's final norm; z-lab conditions on transformers'
-        # hidden_states[-1], which is after it, for the last layer.
-        last = None if target_layers is None else target_layers - 1
-        self._normed_slots = [i for i, l in enumerate(self.capture_layers) if l == last]
-        if self._normed_slots and final_norm is None:
-            raise ValueError("the drafter captures the target's last layer: pass its final_norm")
-        self.final_norm = final_norm
+    def __init__(self, model: DFlashModel, **options):
         self.device = model.fc.weight.device
-        self.cache = model.make_cache()
+        super().__init__(model, **options)
 
-    @property
-    def context_length(self) -> int:
-        return self.cache[0].offset
+    begin = torch.inference_mode()(DFlashDrafting.begin)
+    commit = torch.inference_mode()(DFlashDrafting.commit)
+    block_logits = torch.inference_mode()(DFlashDrafting.block_logits)
+    _propose_tree = torch.inference_mode()(DFlashDrafting._propose_tree)
 
-    @torch.inference_mode()
-    def begin(self, prompt, features=None):
-        self.cache = self.model.make_cache()
-        self._append(features)
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        return host_tokens(tokens, self.device)[None]
 
-    def _append(self, features) -> None:
-        if features is None:
-            raise ValueError(
-                "the DFlash drafter needs target hidden states: build the target with "
-                "capture_layers=drafter.capture_layers"
-            )
-        if features.shape[0] == 0:  # a one-token prompt has no context yet
-            return
-        width = len(self.capture_layers) * self.args.hidden_size
-        if features.ndim != 2 or features.shape[1] != width:
-            raise ValueError(
-                f"target features have shape {tuple(features.shape)}; the DFlash drafter expects "
-                f"(positions, {width}) from layers {list(self.capture_layers)}"
-            )
-        self.model.append_context(self._as_reference(features), self.cache)
+    def _head_rows(self, head, ids: torch.Tensor):
+        bias = getattr(head, "bias", None)
+        return _WeightHead(head.weight[ids].detach(), None if bias is None else bias[ids].detach())
 
-    def _as_reference(self, features: torch.Tensor) -> torch.Tensor:
-        """Apply the target's final norm to the last layer's slice, as transformers does."""
-        if not self._normed_slots:
-            return features
-        parts = list(features.split(self.args.hidden_size, dim=-1))
-        for i in self._normed_slots:
-            parts[i] = self.final_norm(parts[i])
+    def _concat(self, parts) -> torch.Tensor:
         return torch.cat(parts, dim=-1)
 
-    def _rewind(self, num_context: int) -> None:
-        excess = self.context_length - num_context
-        if excess < 0:
-            raise ValueError(
-                f"the DFlash context holds {self.context_length} positions but {num_context} "
-                "tokens precede the pending one; commit() must receive every verdict's features"
-            )
-        for c in self.cache:
-            c.trim(excess)
+    def _in_head_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to(self.lm_head.weight.dtype)
 
-    @torch.inference_mode()
-    def block_logits(self, tokens: list[int], num_draft: int) -> torch.Tensor:
-        """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last), V
-        running over the draft vocabulary when there is one."""
-        self._rewind(len(tokens) - 1)
-        block = host_tokens([tokens[-1]] + [self.args.mask_token_id] * num_draft, self.device)
-        block = block[None]  # (1, L)
-        embeddings = self.embed_tokens(block) * self.args.input_embedding_scale  # (1, L, H)
-        hidden = self.model(embeddings, self.cache)[:, 1:]
-        head_dtype = self.lm_head.weight.dtype
-        return self.model.compute_logits(hidden.to(head_dtype), self.lm_head)[0]
+    def _best(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(logits, dim=-1)
 
-    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
-        num_draft = min(k, self.block_size - 1)
-        if num_draft < 1:
-            return EMPTY_DRAFT
-        if self.tree_budget is not None:
-            return self._propose_tree(tokens, num_draft, k)
-        drafts = torch.argmax(self.block_logits(tokens, num_draft), dim=-1)
-        return Draft(tokens=drafts if self.draft_ids is None else self.draft_ids[drafts])
-
-    @torch.inference_mode()
-    def _propose_tree(self, tokens: list[int], slots: int, budget: int) -> Draft:
-        """DDTree, as the MLX drafter grows it (mlxspec.tree.best_first_drafts): the slots' best
-        tokens are read to the host, since the tree's shape depends on their probabilities."""
-        logprobs = torch.log_softmax(self.block_logits(tokens, slots).float(), dim=-1)
-        scores, best = logprobs.topk(min(self.tree_width, logprobs.shape[-1]), dim=-1)
+    def _best_rows(self, logits: torch.Tensor, width: int) -> tuple[list, list]:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        scores, best = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
         ids = best if self.draft_ids is None else self.draft_ids[best]
-        drafts, shape = best_first_drafts(scores.tolist(), ids.tolist(), budget)
-        return Draft(tokens=drafts, parents=shape.parents)
-
-    @torch.inference_mode()
-    def commit(self, tokens: list[int], verdict: Verdict) -> None:
-        self._append(verdict.features)
+        return scores.tolist(), ids.tolist()
 
 
 # ---- Checkpoint files and the target's side --------------------------------------------------
@@ -378,11 +297,7 @@ def read_weights(path: Path, device) -> dict[str, torch.Tensor]:
     """All tensors of the directory's *.safetensors files (pickle checkpoints never load)."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        pickled = [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-        hint = f" (found {', '.join(pickled)}: pickle checkpoints never load)" if pickled else ""
-        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}")
+    files = safetensors_files(path)
     check_safetensors(files)
     weights = {}
     for f in files:
@@ -392,30 +307,11 @@ def read_weights(path: Path, device) -> dict[str, torch.Tensor]:
 
 def build_checked(args: DFlashConfig, weights: dict[str, torch.Tensor]) -> DFlashModel:
     """The model the weights describe, loaded; names any missing, wrong-shaped or unexpected
-    weight in the words of mlxspec.models.dflash.check_weights."""
+    weight as mlxspec.models.dflash.check_weights does."""
     with torch.device("meta"):  # shapes only: the checkpoint's tensors are assigned below
         model = DFlashModel(args, own_embed="embed_tokens.weight" in weights,
                             own_head="lm_head.weight" in weights)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    wrong = [
-        f"{n} has shape {tuple(weights[n].shape)}, config.json implies {expected[n]}"
-        for n in sorted(set(expected) & set(weights))
-        if tuple(weights[n].shape) != expected[n]
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing weights: {', '.join(missing)}")
-    if wrong:
-        problems.append("wrong-shaped weights: " + "; ".join(wrong))
-    if unexpected:
-        problems.append(f"unexpected weights: {', '.join(unexpected)}")
-    if problems:
-        raise ValueError(
-            f"DFlash checkpoint does not match its config.json (hidden {args.hidden_size}, "
-            f"{args.num_hidden_layers} layers): " + ". ".join(problems)
-        )
+    check_weight_shapes(args, {name: p.shape for name, p in model.state_dict().items()}, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
@@ -431,16 +327,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     """Load a DFlash checkpoint for a transformers target `model` (see the MLX loader); the
     drafter runs on the target's device, in the target's dtype. `tree_budget`: draft a DDTree of
     up to this many nodes from each block's `tree_width` best tokens per slot."""
-    check_tree(tree_budget, tree_width)
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        from ...converters.hf import resolve_hf_source  # repo ids, through the Hub cache
-
-        path = resolve_hf_source(str(path))
-    args = DFlashConfig.from_dict(read_config(path))
-    check_against_target(args, target_sizes(model))
-    check_block_size(block_size, args.block_size)
-    vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
+    path, args, vocab = read_checkpoint(path, target_sizes(model), block_size=block_size,
+                                        draft_vocab=draft_vocab, tree_budget=tree_budget,
+                                        tree_width=tree_width)
     device = model_device(model)
     drafter_model = build_checked(args, read_weights(path, device))
     drafter_model.to(device=device, dtype=next(model.parameters()).dtype)
