@@ -19,7 +19,7 @@ host once (the tree's shape depends on them); their entries are cut from the cac
 verification as a chain's steps are.
 
 PairedDrafting is the host side, for both backends; MLXPairedDrafting adds MLX's tensor math,
-mlxspec.backends.torch.eagle3's TorchArrays and drafters torch's.
+mlxspec.backends.torch.eagle3's TorchPairedDrafting torch's.
 """
 
 import math
@@ -250,7 +250,7 @@ class PairedDrafting(Drafter):
 
 
 class MLXArrays:
-    """The array primitives Eagle3Drafting uses, in MLX."""
+    """The array primitives PairedDrafting and DraftModelDrafting use, in MLX."""
 
     @staticmethod
     def ids(tokens: list[int]) -> mx.array:

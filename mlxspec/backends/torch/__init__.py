@@ -4,8 +4,8 @@ Only reached through `mlxspec.load(..., backend="torch")` (or a transformers mod
 `stream_generate`), by way of its record in mlxspec.backends; importing this package imports
 torch, and nothing on the MLX path imports it.
 Targets are transformers causal LMs with a cropped DynamicCache; acceptance, the processed
-distribution q, the draft-model drafter and DFlash are torch twins of the MLX ones; prompt lookup
-works on host token lists and is shared.
+distribution q and DFlash are torch twins of the MLX ones; the draft-model drafter is torch tensor
+math under the MLX one's host side; prompt lookup works on host token lists and is shared.
 """
 
 import torch

@@ -35,10 +35,10 @@ from ...drafters.eagle3_loading import read_checkpoint, use_target_parts
 from ...drafters.paired import PairedDrafting
 from ...models.eagle3 import Eagle3Config
 from ...sampling import SamplingConfig
+from .arrays import TorchArrays
 from .dflash import _WeightHead, block_mask, read_weights
 from .sampling import categorical, processed_logprobs
 from .target import additive, cache_length, crop, decoder_layers, model_device, target_sizes
-from .transfer import host_tokens
 
 
 def layer_config(args: Eagle3Config) -> LlamaConfig:
@@ -160,40 +160,6 @@ class Eagle3Model(nn.Module):
         """The target id of every draft-vocabulary row, (draft_vocab,)."""
         rows = torch.arange(self.args.draft_vocab_size, device=self.fc.weight.device)
         return rows if self.d2t is None else rows + self.d2t
-
-
-class TorchArrays:
-    """The array primitives Eagle3Drafting uses, in torch on one device."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def ids(self, tokens: list[int]) -> torch.Tensor:
-        return host_tokens(tokens, self.device)[None]
-
-    argmax = staticmethod(torch.argmax)
-    stack = staticmethod(torch.stack)
-
-    @staticmethod
-    def cat(tensors, axis: int = 0) -> torch.Tensor:
-        return torch.cat(tensors, dim=axis)
-
-    def eye(self, n: int) -> torch.Tensor:
-        return torch.eye(n, dtype=torch.bool, device=self.device)
-
-    def ones(self, rows: int, columns: int) -> torch.Tensor:
-        return torch.ones((rows, columns), dtype=torch.bool, device=self.device)
-
-    def full(self, n: int, value: int) -> torch.Tensor:
-        return torch.full((n,), value, device=self.device)
-
-    @staticmethod
-    def top(x: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.argsort(x, descending=True, stable=True)[:k]
-
-    @staticmethod
-    def read(tensors) -> list[list]:
-        return [t.tolist() for t in tensors]  # the first waits for the proposal; the rest copy
 
 
 class TorchPairedDrafting(PairedDrafting):
