@@ -211,9 +211,9 @@ def check_block_size(block_size: int | None, trained: int) -> int:
 def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_vocab: bool,
                     tree_budget: int | None, tree_width: int):
     """A DFlash checkpoint's directory (a Hub repo id resolved through the Hugging Face cache;
-    HF_HUB_OFFLINE applies), config and draft vocabulary (None without one, or when
-    `draft_vocab` is False), each option and the config checked against the target's `sizes`
-    before any weight is read: the host side of either backend's loader."""
+    HF_HUB_OFFLINE applies), config, and the drafter's options (block size, tree, the draft
+    vocabulary: None without one or when `draft_vocab` is False), each checked, and the config
+    against the target's `sizes`, before any weight is read: either backend loader's host side."""
     check_tree(tree_budget, tree_width)
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -224,7 +224,8 @@ def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_v
     check_against_target(args, sizes)
     check_block_size(block_size, args.block_size)
     vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
-    return path, args, vocab
+    return path, args, dict(block_size=block_size, draft_vocab=vocab, tree_budget=tree_budget,
+                            tree_width=tree_width)
 
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
@@ -241,9 +242,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     `tree_budget`: draft a tree of up to this many nodes from each block (DDTree), the
     `tree_width` best tokens of each slot its candidates, instead of a chain.
     """
-    path, args, vocab = read_checkpoint(path, target_sizes(model), block_size=block_size,
-                                        draft_vocab=draft_vocab, tree_budget=tree_budget,
-                                        tree_width=tree_width)
+    path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
+                                          draft_vocab=draft_vocab, tree_budget=tree_budget,
+                                          tree_width=tree_width)
     weights = read_weights(path)
     drafter_model = check_weights(args, weights)
     if dtype == "target":  # e.g. a bf16-stored drafter on an fp32 CPU target
@@ -261,10 +262,7 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
         drafter_model,
         embed_tokens=embed if embed is not None else target_embedding(model),
         lm_head=head if head is not None else target_head(model),
-        block_size=block_size,
         final_norm=target_final_norm(model),
         target_layers=len(decoder_layers(model)),
-        draft_vocab=vocab,
-        tree_budget=tree_budget,
-        tree_width=tree_width,
+        **options,
     )

@@ -327,9 +327,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     """Load a DFlash checkpoint for a transformers target `model` (see the MLX loader); the
     drafter runs on the target's device, in the target's dtype. `tree_budget`: draft a DDTree of
     up to this many nodes from each block's `tree_width` best tokens per slot."""
-    path, args, vocab = read_checkpoint(path, target_sizes(model), block_size=block_size,
-                                        draft_vocab=draft_vocab, tree_budget=tree_budget,
-                                        tree_width=tree_width)
+    path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
+                                          draft_vocab=draft_vocab, tree_budget=tree_budget,
+                                          tree_width=tree_width)
     device = model_device(model)
     drafter_model = build_checked(args, read_weights(path, device))
     drafter_model.to(device=device, dtype=next(model.parameters()).dtype)
@@ -341,12 +341,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
         drafter_model,
         embed_tokens=embed if embed is not None else model.get_input_embeddings(),
         lm_head=head if head is not None else model.get_output_embeddings(),
-        block_size=block_size,
         final_norm=final_norm_of(model),
         target_layers=len(decoder_layers(model)),
-        draft_vocab=vocab,
-        tree_budget=tree_budget,
-        tree_width=tree_width,
+        **options,
     )
 
 
