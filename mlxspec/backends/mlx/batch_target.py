@@ -110,6 +110,13 @@ class MLXBatchTarget:
     def rows(self) -> int:
         return self._rows
 
+    def bind(self, drafter) -> None:
+        """A row's drafter; one that drafts inside the target's own cache cannot be one."""
+        if drafter.batch_refusal is not None:
+            raise ValueError(f"the {drafter.name} drafter cannot run in a batch: "
+                             f"{drafter.batch_refusal}")
+        drafter.bind(self)
+
     # -- joining and leaving ------------------------------------------------------------------
 
     def add(self, prompts: list[list[int]]) -> list:
