@@ -16,6 +16,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 from .sampling import SamplingConfig
 from .tree import TreeShape
+from .verify_budget import VerifyBudget
 
 
 @dataclass
@@ -500,6 +501,9 @@ class Loop:
         self.rows: list[Row] = []  # in the target's order
         self.joining: list[Row] = []
         self.step = None  # the pass queued and not yet read, over every row in self.rows
+        # Several rows with an adaptive K: the batch's pass width, chosen for all of them.
+        self.budget: VerifyBudget | None = None
+        self.clock = 0.0  # when the last pass was read
         self.cancelled: set[Row] = set()
 
     def join(self, row: Row) -> None:
@@ -528,12 +532,14 @@ class Loop:
                 row.drafter.begin(row.tokens, features)
                 row.clock = time.perf_counter()
             self.rows += new
+            self.clock = time.perf_counter()  # a step's time leaves the prefill out
 
-    def _choose_k(self, row: Row, produced: int, length: int) -> int:
+    def _choose_k(self, row: Row, produced: int, length: int, wanted: int | None = None) -> int:
         # Drafts past max_tokens or the context window would be wasted work; what the cache can
         # roll back is known before proposing, so no drafter holds drafts it never hears about.
-        wanted = k = min(row.policy.next_k() if row.policy else row.max_k,
-                         row.max_tokens - produced - 1)
+        if wanted is None:
+            wanted = row.policy.next_k() if row.policy else row.max_k
+        wanted = k = min(wanted, row.max_tokens - produced - 1)
         if self.target.context_length is not None:
             k = min(k, self.target.context_length - length)
         room = self.target.rollback_room()
@@ -565,6 +571,16 @@ class Loop:
         queued before this one is read, which is then plain, so its own token still to come
         counts."""
         known = known or {}
+        shared = [row for row in self.rows if row not in known
+                  and isinstance(row.policy, AdaptiveDraftLength)] if len(self.rows) > 1 else []
+        if shared:  # the batch's rows with an adaptive K draft to one width, chosen together
+            caps = {row: self._choose_k(row, row.produced + ahead, len(row.tokens) + ahead,
+                                        row.max_k) for row in shared}
+            if self.budget is None:
+                self.budget = VerifyBudget(max(row.max_k for row in self.rows))
+            width = self.budget.width([row.policy.conditional for row in shared],
+                                      list(caps.values()))
+            known = {**known, **{row: min(width, cap) for row, cap in caps.items()}}
         return [known[row] if row in known else
                 self._choose_k(row, row.produced + ahead, len(row.tokens) + ahead)
                 for row in self.rows]
@@ -599,6 +615,10 @@ class Loop:
                 waited = time.perf_counter()
                 verdicts = self.step.verdicts()  # the step's one host sync
                 now = time.perf_counter()
+                if self.budget is not None and len(self.rows) > 1:
+                    width = 1 + max(self.step.num_drafts)
+                    self.budget.record(len(self.rows) * width, now - self.clock)
+                self.clock = now
                 self.target.settle(verdicts)
                 self.step = queued
                 events = []
