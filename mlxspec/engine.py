@@ -550,10 +550,10 @@ class Loop:
 
     def _launch(self, ks: list[int], pending=None):
         start = time.perf_counter()
-        drafts, trees = [], self.target.holds_trees()
+        drafts = []
         for row, k in zip(self.rows, ks):
             draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
-            if draft.parents is not None and not trees:
+            if draft.parents is not None and not self.target.holds_trees():
                 draft = draft.first_chain()
                 row.stats.chain_fallback_steps += 1
             drafts.append(draft)
@@ -690,5 +690,5 @@ def speculative_tokens(
     loop = Loop(OneRow(target), overlap=overlap)
     loop.join(Row(drafter, list(prompt), sampling, max_tokens, max_k, policy,
                   frozenset(stop_tokens), logprobs, stats))
-    for _, *event in loop:
-        yield tuple(event)
+    for event in loop:
+        yield event[1:]
