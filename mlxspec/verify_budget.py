@@ -19,9 +19,12 @@ class VerifyBudget:
     row's acceptance estimates."""
 
     def __init__(self, max_k: int, probe_every: int = 8, prior_token_cost: float = 0.1,
-                 decay: float = 0.7):
+                 min_token_cost: float = 0.03, decay: float = 0.7):
         self.max_k, self.probe_every, self.decay = max_k, probe_every, decay
         self.prior_token_cost = prior_token_cost  # a token's verify cost, x a one-row plain step
+        # Verifying is never free, whatever timing noise says: a position costs at least this
+        # much of a pass's fixed part (as AdaptiveDraftLength's floor for one sequence).
+        self.min_token_cost = min_token_cost
         self.seconds: dict[int, float] = {}  # tokens in a pass (rows x width) -> running mean
         self.idle_steps = 0
 
@@ -44,13 +47,14 @@ class VerifyBudget:
             mean_y = sum(y for _, y in points) / n
             var = sum((x - mean_x) ** 2 for x, _ in points)
             slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
-            slope = max(slope, 1e-9)
-            return max(mean_y - slope * mean_x, 1e-9), slope
-        if points:
+            intercept = max(mean_y - max(slope, 0.0) * mean_x, 1e-9)
+        elif points:
             (x, y), = points
             slope = self.prior_token_cost * y / x
-            return max(y - slope * x, 1e-9), slope
-        return 1.0, self.prior_token_cost
+            intercept = max(y - slope * x, 1e-9)
+        else:
+            intercept, slope = 1.0, self.prior_token_cost
+        return intercept, max(slope, self.min_token_cost * intercept)
 
     def width(self, acceptance: list[list[float]], caps: list[int]) -> int:
         """The drafts per row this step (the pass's width - 1): `acceptance[i]` is row i's
