@@ -15,9 +15,9 @@ comes from a different text.
 import argparse
 import json
 
-import mlx.core as mx
+import mlxspec  # first: it loads OpenBLAS before mlx.core would load its slow bundled BLAS
 
-import mlxspec
+import mlx.core as mx  # noqa: E402
 from mlxspec.bench import chat_prompt
 from mlxspec.prompts import humaneval_prompts, mtbench_prompts
 
