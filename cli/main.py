@@ -189,31 +189,44 @@ def main():
 
 
 @main.command()
-@click.option("--prompt", "-p", required=True, help="The prompt; '-' reads it from stdin.")
+@click.option("--prompt", "-p", default=None, help="The prompt; '-' reads it from stdin.")
+@click.option("--prompts", "prompts_file", default=None, type=click.File("rb"),
+              help="A file of prompts, one per line ('-': stdin), generated together as a "
+                   "batch; each reply is printed as a JSON line, in order.")
 @model_options
 @shard_option
 @decoding_options
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
-def generate(prompt, model, dtype, backend, device, shard, drafter, draft_model, num_draft,
-             adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template,
-             verbose, **drafter_options):
-    """Generate a reply to one prompt."""
+def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter, draft_model,
+             num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system,
+             no_chat_template, verbose, **drafter_options):
+    """Generate a reply to one prompt, or to each of a file's prompts at once (--prompts)."""
     import mlxspec
     from mlxspec.generate import check_utf8, format_stats
 
-    try:
-        prompt = check_utf8(_read_stdin() if prompt == "-" else prompt, "the prompt")
-    except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--prompt") from None
-    if not prompt.strip():
-        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
+    if (prompt is None) == (prompts_file is None):
+        raise click.UsageError("give either --prompt or --prompts")
+    if prompts_file is not None:
+        prompts = _prompt_lines(prompts_file)
+    else:
+        try:
+            prompt = check_utf8(_read_stdin() if prompt == "-" else prompt, "the prompt")
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--prompt") from None
+        if not prompt.strip():
+            raise click.BadParameter("the prompt is empty", param_hint="--prompt")
     request = _request(max_tokens, num_draft, adaptive, temp=temp, top_p=top_p, top_k=top_k,
                        min_p=min_p, seed=seed)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
+    if prompts_file is not None:
+        _check_batch(backend)
     _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
                                         drafter_options, verbose, shard)
+    if prompts_file is not None:
+        return _generate_batch(target, tokenizer, spec, prompts, request, system,
+                               no_chat_template, verbose)
     last = None
     try:
         text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
@@ -226,6 +239,64 @@ def generate(prompt, model, dtype, backend, device, shard, drafter, draft_model,
     if verbose and last is not None:
         click.echo("=" * 10, err=True)
         click.echo(format_stats(last), err=True)
+
+
+def _prompt_lines(file) -> list[str]:
+    """The non-empty lines of a --prompts file, each checked as UTF-8 text (named by line)."""
+    from mlxspec.generate import check_utf8
+
+    prompts = []
+    for number, line in enumerate(file.read().splitlines(), start=1):
+        text = line.decode("utf-8", errors="surrogateescape")
+        try:
+            check_utf8(text, f"line {number}")
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--prompts") from None
+        if text.strip():
+            prompts.append(text)
+    if not prompts:
+        raise click.BadParameter("the file has no prompts (one per line)", param_hint="--prompts")
+    return prompts
+
+
+def _check_batch(backend):
+    """What a batch cannot run, refused before a model loads (a drafter that cannot draft for
+    a row, LayerSkip, is refused once loaded, before any generation)."""
+    from mlxspec.backends import backend_named
+    from mlxspec.distributed import launched
+
+    if backend_named(backend).batch_target is None:
+        raise click.BadParameter(f"the {backend} backend runs one sequence at a time; batches "
+                                 "run on MLX", param_hint="--backend")
+    if launched():
+        raise click.UsageError("--prompts: a target split across ranks runs one sequence at a "
+                               "time")
+
+
+def _generate_batch(target, tokenizer, spec, prompts, request, system, no_chat_template,
+                    verbose):
+    """--prompts: every prompt a row of one batch; a JSON line per reply, in order."""
+    import json
+
+    import mlxspec
+    from mlxspec.batch import format_batch_stats
+
+    try:
+        texts = [build_prompt(tokenizer, _messages(system, [{"role": "user", "content": p}]),
+                              no_chat_template, _template_name(target)) for p in prompts]
+        sampling = request.sampling
+        out = mlxspec.batch_generate(
+            target, tokenizer, texts, request.max_tokens, drafter=spec,
+            num_draft=request.num_draft, adaptive=request.adaptive, temp=sampling.temp,
+            top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p, seed=sampling.seed)
+    except ValueError as err:
+        _fail(err)
+    for i, (text, ids, reason) in enumerate(zip(out.texts, out.token_ids, out.finish_reasons)):
+        click.echo(json.dumps({"index": i, "text": text, "finish_reason": reason,
+                               "generation_tokens": len(ids)}))
+    if verbose:
+        click.echo("=" * 10, err=True)
+        click.echo(format_batch_stats(out), err=True)
 
 
 @main.command()

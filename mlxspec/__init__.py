@@ -16,6 +16,7 @@ preload_openblas()  # before anything imports mlx.core
 
 from .backends import BACKENDS  # noqa: E402
 from .backends.mlx.target import PromptCache  # noqa: E402
+from .batch import BatchResponse, batch_generate  # noqa: E402
 from .drafters import load_drafter  # noqa: E402
 from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
 from .generate import GenerationResponse, generate, stream_generate, stream_request  # noqa: E402
@@ -26,6 +27,7 @@ from .sampling import SamplingConfig  # noqa: E402
 __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
+    "BatchResponse",
     "Draft",
     "Drafter",
     "GenerationResponse",
@@ -35,6 +37,7 @@ __all__ = [
     "SlowBlasWarning",
     "SpecStats",
     "Verdict",
+    "batch_generate",
     "blas_in_use",
     "generate",
     "load",

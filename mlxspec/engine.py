@@ -9,12 +9,14 @@ Only control flow lives here. Tensor math (forward passes, acceptance, cache tri
 backend's `Target`; drafters see host token lists and backend arrays.
 """
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence
 
 from .sampling import SamplingConfig
 from .tree import TreeShape
+from .verify_budget import VerifyBudget
 
 
 @dataclass
@@ -190,6 +192,17 @@ class Drafter:
         if budget is not None:
             self.default_num_draft = self.max_draft = budget
             self.drafts_trees = True
+
+    # Whether it can draft for a row of a batch (a drafter that drafts inside the target's own
+    # cache, LayerSkip, cannot: it says why in `batch_refusal`).
+    batch_refusal: str | None = None
+
+    def fork(self) -> "Drafter":
+        """A drafter of the same kind and weights with a state of its own (begin() starts it),
+        for another sequence drafted at the same time: a row of a batch."""
+        twin = copy.copy(self)
+        twin.__dict__.pop("_draft_policies", None)  # a row's acceptance is its own
+        return twin
 
     def bind(self, target: "Target") -> None:
         """The target this drafter drafts for, before `begin`: a drafter that runs part of the
@@ -388,6 +401,264 @@ def emitted_counts(verdict: Verdict, emitted: int) -> tuple[int, int]:
     return len(verdict.draft_tokens), verdict.accepted
 
 
+@dataclass(eq=False)
+class Row:
+    """One sequence in the loop, with everything that is its own: its tokens (prompt, then
+    each committed one; the last is pending), drafter and its state, draft length (its most
+    drafts per step and its adaptive policy, None for a fixed K), sampling settings, stop
+    tokens, token budget, logprobs, and statistics. Rows are compared by identity."""
+
+    drafter: Drafter
+    tokens: list[int]
+    sampling: SamplingConfig
+    max_tokens: int
+    max_k: int
+    policy: Any = None
+    stop_tokens: frozenset = frozenset()
+    logprobs: int | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    produced: int = 0
+    finished: bool = False  # it stopped, ran out of tokens or was cancelled: it leaves
+    clock: float = 0.0  # when its last step ended, for the policy's step times
+
+    @property
+    def k_ahead(self) -> bool:
+        """Whether its next K is known before its latest pass is read."""
+        return self.policy is None or not self.policy.reads_tokens
+
+
+class OneRow:
+    """A one-sequence `Target` as a batch of one row: how a single generation runs through the
+    loop (either backend, trees, a split target, LayerSkip), its passes untouched."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.context_length = target.context_length
+        self.rows = 0
+
+    def bind(self, drafter: Drafter) -> None:
+        drafter.bind(self.target)
+
+    def add(self, prompts: list[list[int]]) -> list:
+        if self.rows + len(prompts) > 1:
+            raise ValueError("this target holds one sequence")
+        self.rows += len(prompts)
+        return [self.target.prefill(prompt) for prompt in prompts]
+
+    def remove(self, rows: list[int]) -> None:
+        self.rows -= len(rows)
+
+    def launch(self, pending, drafts: list[Draft], samplings: list[SamplingConfig],
+               logprobs: list[int | None]) -> "Passes":
+        pending = pending.passes[0] if isinstance(pending, Passes) else pending[0]
+        return Passes([self.target.launch(pending, drafts[0], samplings[0], logprobs=logprobs[0])])
+
+    def settle(self, verdicts: list[Verdict]) -> None:
+        self.target.settle(verdicts[0])
+
+    def trim(self, counts: list[int]) -> None:
+        self.target.trim(counts[0])
+
+    def holds_trees(self) -> bool:
+        return self.target.holds_trees()
+
+    def rollback_room(self) -> int | None:
+        return self.target.rollback_room()
+
+
+@dataclass
+class Passes:
+    """Single passes read as one batch pass (OneRow's)."""
+
+    passes: list[Pass]
+
+    @property
+    def num_drafts(self) -> list[int]:
+        return [p.num_draft for p in self.passes]
+
+    def verdicts(self) -> list[Verdict]:
+        return [p.verdict() for p in self.passes]
+
+
+class Loop:
+    """The speculative decoding loop, for one sequence or many at once (`target` holds the rows:
+    a batched target, or a one-sequence Target as `OneRow`).
+
+    Each step every row's drafter proposes up to its K, one pass verifies every row's
+    [pending, drafts], and one host sync reads every row's verdict; each row then keeps its
+    accepted drafts and the target's next token, and its caches are cut back to them. Rows join
+    (`join`) and leave (stop token, `max_tokens`, `cancel`) at step boundaries.
+
+    Host and device overlap: the next pass is queued before this one's tokens go to the caller
+    (their detokenising runs while the device computes), and when every row drafts nothing, a
+    plain pass is queued before the current one is even read, its pending tokens still on the
+    device (as mlx-lm's generate_step). A pass queued in vain loses its drafts from the caches.
+    `overlap=False` queues each pass only when the caller asks for more (to measure the host).
+    """
+
+    def __init__(self, target, *, overlap: bool = True):
+        self.target, self.overlap = target, overlap
+        self.rows: list[Row] = []  # in the target's order
+        self.joining: list[Row] = []
+        self.step = None  # the pass queued and not yet read, over every row in self.rows
+        # Several rows with an adaptive K: the batch's pass width, chosen for all of them.
+        self.budget: VerifyBudget | None = None
+        self.clock = 0.0  # when the last pass was read
+        self.cancelled: set[Row] = set()
+
+    def join(self, row: Row) -> None:
+        """`row` starts at the next step boundary: its prompt is prefilled then."""
+        self.joining.append(row)
+
+    def cancel(self, row: Row) -> None:
+        """`row` yields nothing more and leaves at the next step boundary."""
+        row.finished = True
+        self.cancelled.add(row)
+        if row in self.joining:
+            self.joining.remove(row)
+
+    def _admit(self) -> None:
+        """Rows that finished leave the target and rows that joined are prefilled: only
+        between passes (no pass queued over the old rows)."""
+        gone = [i for i, row in enumerate(self.rows) if row.finished]
+        if gone:
+            self.target.remove(gone)
+            self.rows = [row for row in self.rows if not row.finished]
+        if self.joining:
+            new, self.joining = self.joining, []
+            for row in new:
+                self.target.bind(row.drafter)
+            for row, features in zip(new, self.target.add([row.tokens for row in new])):
+                row.drafter.begin(row.tokens, features)
+                row.clock = time.perf_counter()
+            self.rows += new
+            self.clock = time.perf_counter()  # a step's time leaves the prefill out
+
+    def _choose_k(self, row: Row, produced: int, length: int, wanted: int | None = None) -> int:
+        # Drafts past max_tokens or the context window would be wasted work; what the cache can
+        # roll back is known before proposing, so no drafter holds drafts it never hears about.
+        if wanted is None:
+            wanted = row.policy.next_k() if row.policy else row.max_k
+        wanted = k = min(wanted, row.max_tokens - produced - 1)
+        if self.target.context_length is not None:
+            k = min(k, self.target.context_length - length)
+        room = self.target.rollback_room()
+        if room is not None and k > room - 1:
+            k = room - 1  # the pending token takes one position
+            row.stats.plain_fallback_steps += k <= 0 < wanted
+        return max(k, 0)
+
+    def _launch(self, ks: list[int], pending=None):
+        start = time.perf_counter()
+        drafts = []
+        for row, k in zip(self.rows, ks):
+            draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
+            if draft.parents is not None and not self.target.holds_trees():
+                draft = draft.first_chain()
+                row.stats.chain_fallback_steps += 1
+            drafts.append(draft)
+        if pending is None:
+            pending = [row.tokens[-1] for row in self.rows]
+        queued = self.target.launch(pending, drafts, [row.sampling for row in self.rows],
+                                    [row.logprobs for row in self.rows])
+        seconds = time.perf_counter() - start
+        for row in self.rows:
+            row.stats.launch_seconds += seconds
+        return queued
+
+    def _next_ks(self, ahead: bool = False, known: dict | None = None) -> list[int]:
+        """Each row's K for its next pass (`known`: those chosen already); `ahead`: for a pass
+        queued before this one is read, which is then plain, so its own token still to come
+        counts."""
+        known = known or {}
+        shared = [row for row in self.rows if row not in known
+                  and isinstance(row.policy, AdaptiveDraftLength)] if len(self.rows) > 1 else []
+        if shared:  # the batch's rows with an adaptive K draft to one width, chosen together
+            caps = {row: self._choose_k(row, row.produced + ahead, len(row.tokens) + ahead,
+                                        row.max_k) for row in shared}
+            if self.budget is None:
+                self.budget = VerifyBudget(max(row.max_k for row in self.rows))
+            width = self.budget.width([row.policy.conditional for row in shared],
+                                      list(caps.values()))
+            known = {**known, **{row: min(width, cap) for row, cap in caps.items()}}
+        return [known[row] if row in known else
+                self._choose_k(row, row.produced + ahead, len(row.tokens) + ahead)
+                for row in self.rows]
+
+    def _queue_ahead(self):
+        """A plain pass queued before the current one is read, when every row's current pass
+        is plain, every row's next K is known, is 0 and leaves room, and no row is waiting to
+        join or leave."""
+        if not (self.overlap and self.rows and not self.joining
+                and not any(self.step.num_drafts)
+                and all(r.k_ahead and not r.finished and r.produced + 1 < r.max_tokens
+                        for r in self.rows)):
+            return None, None
+        ks = self._next_ks(ahead=True)
+        if any(ks):
+            return None, dict(zip(self.rows, ks))
+        return self._launch(ks, pending=self.step), None
+
+    def __iter__(self) -> Iterator[tuple]:
+        """Yield (row, token, from_draft) per token, or with the row's `logprobs` n (row, token,
+        from_draft, logprob, top_logprobs), scored by the target in the pass that committed the
+        token, until every row has finished. A row's last token is its stop token or its
+        max_tokens-th."""
+        try:
+            while True:
+                if self.step is None:
+                    self._admit()
+                    if not self.rows:
+                        return
+                    self.step = self._launch(self._next_ks())
+                queued, ks = self._queue_ahead()
+                waited = time.perf_counter()
+                verdicts = self.step.verdicts()  # the step's one host sync
+                now = time.perf_counter()
+                if self.budget is not None and len(self.rows) > 1:
+                    width = 1 + max(self.step.num_drafts)
+                    self.budget.record(len(self.rows) * width, now - self.clock)
+                self.clock = now
+                self.target.settle(verdicts)
+                self.step = queued
+                events = []
+                for row, verdict in zip(self.rows, verdicts):
+                    row.stats.wait_seconds += now - waited
+                    if not row.finished:
+                        events += self._commit(row, verdict, now)
+                if self.step is not None and all(row.finished for row in self.rows):
+                    self.step = None  # a plain pass queued in vain holds only committed tokens
+                if self.step is None and self.overlap:
+                    self._admit()
+                    if self.rows:
+                        self.step = self._launch(self._next_ks(known=ks))
+                for event in events:
+                    if event[0] not in self.cancelled:
+                        yield event
+        finally:  # the caller stopped early: drafts of a queued pass leave the caches
+            if self.step is not None:
+                self.target.trim(self.step.num_drafts)
+                self.step = None
+
+    def _commit(self, row: Row, verdict: Verdict, now: float) -> list[tuple]:
+        """Keep what `verdict` committed for `row`; its events, up to a stop token or its
+        max_tokens (then it is finished)."""
+        new = verdict.committed[: row.max_tokens - row.produced]
+        stop = next((i for i, t in enumerate(new) if t in row.stop_tokens), None)
+        new = new if stop is None else new[: stop + 1]
+        row.tokens += verdict.committed
+        row.drafter.commit(row.tokens, verdict)
+        row.stats.record(*emitted_counts(verdict, len(new)), len(new))
+        if row.policy:
+            row.policy.update(len(verdict.draft_tokens), verdict.accepted, now - row.clock)
+        row.produced, row.clock = row.produced + len(new), now
+        row.finished = stop is not None or row.produced >= row.max_tokens
+        if row.logprobs is None:
+            return [(row, token, i < verdict.accepted) for i, token in enumerate(new)]
+        return [(row, token, i < verdict.accepted, verdict.logprobs[i], verdict.top_logprobs[i])
+                for i, token in enumerate(new)]
+
+
 def speculative_tokens(
     target: Target,
     drafter: Drafter,
@@ -402,89 +673,22 @@ def speculative_tokens(
     overlap: bool = True,
     logprobs: int | None = None,
 ) -> Iterator[tuple]:
-    """Yield (token, from_draft) until max_tokens are produced or a stop token is (yielded last);
-    with `logprobs` n, (token, from_draft, logprob, top_logprobs) scored by the target in the
-    pass that committed the token (Verdict.logprobs), at no extra sync.
-
-    The target cache always holds every committed token but the last ("pending") one, so each
-    verification pass starts from the pending token and yields at least one new token.
-    Host and device overlap, one host sync per pass: the next pass is queued before this one's
-    tokens go to the caller (its detokenising runs while the device computes), and a plain pass
-    after a plain pass is queued before this one is even read, its pending token still on the
-    device (as mlx-lm's generate_step). A pass queued in vain loses its drafts from the cache.
-    `overlap=False` queues each pass only when the caller asks for more (to measure the host).
-    """
+    """One sequence through the loop (a batch of one row): yield (token, from_draft) until
+    max_tokens are produced or a stop token is (yielded last); with `logprobs` n, (token,
+    from_draft, logprob, top_logprobs) scored by the target in the pass that committed the
+    token (Verdict.logprobs), at no extra sync. The target cache always holds every committed
+    token but the last ("pending") one, so each pass starts from it and yields at least one new
+    token. `adaptive`: the drafter's own adaptive K policy (kept across its generations), or
+    one given; `overlap`: see Loop."""
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     max_k = draft_limit(drafter, num_draft)
-    tokens = list(prompt)
-    drafter.bind(target)
-    drafter.begin(tokens, target.prefill(tokens))
     if isinstance(adaptive, AdaptiveDraftLength):
         policy = adaptive
     else:
         policy = drafter.draft_policy(max_k, sampling.temp == 0) if adaptive and max_k else None
-    k_ahead = policy is None or not policy.reads_tokens  # K is known before a pass is read
-
-    def choose_k(produced: int, length: int) -> int:
-        # Drafts past max_tokens or the context window would be wasted work; what the cache can
-        # roll back is known before proposing, so no drafter holds drafts it never hears about.
-        wanted = k = min(policy.next_k() if policy else max_k, max_tokens - produced - 1)
-        if target.context_length is not None:
-            k = min(k, target.context_length - length)
-        room = target.rollback_room()
-        if room is not None and k > room - 1:
-            k = room - 1  # the pending token takes one position
-            stats.plain_fallback_steps += k <= 0 < wanted
-        return max(k, 0)
-
-    def launch(k: int, pending: "int | Pass | None" = None) -> Pass:
-        start = time.perf_counter()
-        draft = drafter.propose(tokens, k, sampling) if k > 0 else EMPTY_DRAFT
-        if draft.parents is not None and not target.holds_trees():
-            draft, stats.chain_fallback_steps = draft.first_chain(), stats.chain_fallback_steps + 1
-        queued = target.launch(tokens[-1] if pending is None else pending, draft, sampling,
-                               logprobs=logprobs)
-        stats.launch_seconds += time.perf_counter() - start
-        return queued
-
-    produced, clock = 0, time.perf_counter()
-    step = launch(choose_k(0, len(tokens)))
-    try:
-        while True:
-            k, queued = None, None
-            if overlap and not step.num_draft and k_ahead and produced + 1 < max_tokens:
-                k = choose_k(produced + 1, len(tokens) + 1)
-                if k == 0:
-                    queued = launch(0, pending=step)
-            waited = time.perf_counter()
-            verdict = step.verdict()
-            step, now = queued, time.perf_counter()
-            stats.wait_seconds += now - waited
-            target.settle(verdict)
-            new = verdict.committed[: max_tokens - produced]
-            stop = next((i for i, t in enumerate(new) if t in stop_tokens), None)
-            new = new if stop is None else new[: stop + 1]
-            tokens += verdict.committed
-            drafter.commit(tokens, verdict)
-            stats.record(*emitted_counts(verdict, len(new)), len(new))
-            if policy:
-                policy.update(len(verdict.draft_tokens), verdict.accepted, now - clock)
-            produced, clock = produced + len(new), now
-            finished = stop is not None or produced >= max_tokens
-            if finished:
-                step = None  # a plain pass queued in vain holds only a committed token
-            elif step is None and overlap:
-                step = launch(choose_k(produced, len(tokens)) if k is None else k)
-            for i, token in enumerate(new):
-                if logprobs is None:
-                    yield token, i < verdict.accepted
-                else:
-                    yield token, i < verdict.accepted, verdict.logprobs[i], verdict.top_logprobs[i]
-            if finished:
-                return
-            if step is None:
-                step = launch(choose_k(produced, len(tokens)) if k is None else k)
-    finally:  # the caller stopped early: drafts of a queued pass leave the cache
-        if step is not None:
-            target.trim(step.num_draft)
+    loop = Loop(OneRow(target), overlap=overlap)
+    loop.join(Row(drafter, list(prompt), sampling, max_tokens, max_k, policy,
+                  frozenset(stop_tokens), logprobs, stats))
+    for event in loop:
+        yield event[1:]

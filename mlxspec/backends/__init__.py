@@ -39,6 +39,9 @@ class Backend:
     # (model, device) -> the trainers' steps and feature pass on this backend, over its own copy
     # of the target (torch: TorchTraining); None: the trainers' own MLX steps.
     training: "Callable[[Any, Any], Any] | None" = None
+    # (model, capture_layers=) -> a target verifying many sequences at once (mlxspec.batch);
+    # None: this backend runs one sequence at a time.
+    batch_target: "type | None" = None
     devices: bool = False  # load(device=, torch_dtype=) and --device choose where it runs
     mlx_lm: bool = False  # runs mlx-lm models: split targets, mlx-lm as a bench peer
 
@@ -83,6 +86,7 @@ def _mlx() -> Backend:
     from .._blas import blas_in_use
     from .mlx.target_parts import embedding_checksum, target_sizes
     from .mlx.loading import loader
+    from .mlx.batch_target import MLXBatchTarget
     from .mlx.target import MLXTarget, PromptCache, context_length, stage_of, vocab_size
 
     def describe(model) -> str:
@@ -94,7 +98,7 @@ def _mlx() -> Backend:
         peak_memory_gb=lambda model: mx.get_peak_memory() / 1e9,
         context_length=context_length, vocab_size=vocab_size, target_sizes=target_sizes,
         embedding_checksum=embedding_checksum,
-        describe=describe, mlx_lm=True,
+        describe=describe, batch_target=MLXBatchTarget, mlx_lm=True,
     )
 
 

@@ -26,6 +26,7 @@ class LookupFirstDrafter(Drafter):
         self.default_num_draft = max(model_drafter.default_num_draft, self.lookup.default_num_draft)
         self.max_draft = max(model_drafter.max_draft, self.lookup.max_draft)
         self.drafts_trees = model_drafter.drafts_trees or self.lookup.drafts_trees
+        self.batch_refusal = model_drafter.batch_refusal
         if hasattr(model_drafter, "backend"):  # the torch drafters say which backend they need
             self.backend = model_drafter.backend
         self._tokens: list[int] = []
@@ -33,6 +34,11 @@ class LookupFirstDrafter(Drafter):
     def copies(self, tokens: list[int]) -> bool:
         """Whether lookup drafts the step after `tokens` (pending last)."""
         return bool(self.lookup.continuation(tokens, 1))
+
+    def fork(self) -> "LookupFirstDrafter":
+        twin = super().fork()
+        twin.model_drafter, twin.lookup = self.model_drafter.fork(), self.lookup.fork()
+        return twin
 
     def bind(self, target) -> None:
         self.model_drafter.bind(target)

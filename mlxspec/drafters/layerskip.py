@@ -65,6 +65,8 @@ class LayerSkipDrafter(Drafter):
 
     name = "layerskip"
     default_num_draft = 4
+    batch_refusal = ("it drafts inside the target's own cache, which holds one sequence; use "
+                     "it with generate, chat or one request at a time")
 
     def __init__(self, model, exit_layer: int | None = None):
         self.model = model

@@ -32,6 +32,11 @@ class PromptLookupDrafter(Drafter):
         if self.reference:
             self._extend_index(self.reference, self._reference_index, 0)
 
+    def fork(self) -> "PromptLookupDrafter":
+        twin = super().fork()
+        twin._index = {}  # begin() clears the index in place
+        return twin
+
     def begin(self, prompt, features=None):
         self._index.clear()
         self._indexed = 0

@@ -1,0 +1,349 @@
+"""The MLX target for many sequences at once (issue #39): one forward pass verifies every row's
+ragged drafts, and each row then rolls back by its own amount.
+
+Rows live in mlx-lm's own batch caches (BatchKVCache for attention, the batch-aware ArraysCache
+for recurrent layers), so joining (`extend`) and leaving (`filter`) are mlx-lm's code paths.
+A pass right-pads each row's [pending, drafts] to S = 1 + max K with any token: causal masking
+keeps every real query blind to the pads after it, and the rollback always drops them.
+
+Rolling back row i by drop_i positions: every attention cache trims the common part
+m = min(drop) (its trim is one index shared by all rows), then rolls each row right by
+drop_i - m into its left padding (`prepare(right_padding=...)` + `finalize()`, the path mlx-lm
+takes after a right-padded prefill). A recurrent layer takes each row's state after its last
+kept position: from the state tape where the recurrence runs position by position anyway (the
+CPU), else by re-running the layer on the pass's recorded input from the state before it with
+`ArraysCache.prepare(lengths=keep)`, which stops each row's state at its own length.
+
+Rows sample from the global MLX random stream, in row order: there are no per-row seeds.
+"""
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
+
+from ...engine import Draft, Pass, Verdict
+from ...rollback import is_recurrent, restore, snapshot
+from ...sampling import SamplingConfig
+from .acceptance import accept_greedy, accept_sampled
+from .hidden_states import capture_layer_outputs, concat_features, record_inputs
+from .sampling import sample_token
+from .state_tape import fused_kernel_would_run, state_tape, tape_modules
+from .target import committed_scores, context_length, state_mixers
+
+# Left padding that every row carries (rows that accepted less than others build it up) is cut
+# off once it is this wide: a gather of every attention cache, so not after every pass.
+_COMPACT_AT = 64
+
+
+class _Host(list):
+    """Host values already read, handed to engine.Pass.verdict in place of the device array it
+    reads, so a row's verdict is decoded exactly as a single pass's is."""
+
+    def tolist(self):
+        return list(self)
+
+
+@dataclass
+class BatchPass:
+    """One batched pass queued on the device and not yet read. `verdicts()` is its one wait."""
+
+    num_drafts: list[int]
+    next_tokens: mx.array  # (rows,) int32, device: the pending tokens of a plain pass after it
+    logits: mx.array  # (rows, S, V): row i's verify logits are [i, : num_drafts[i] + 1]
+    packed: mx.array  # per row: drafts, top ids (if scored), accepted count, next token
+    scores: mx.array | None  # per row's scored floats, as Pass.scores, concatenated
+    features: list | None  # per row (K_i + 1, H * layers), or None
+    top_n: list[int]  # per row: how many top logprobs it scores; -1 where none were asked
+    layout: int  # the batch's row layout it ran on (see MLXBatchTarget._layout)
+
+    def verdicts(self) -> list[Verdict]:
+        ints = self.packed.tolist()  # waits for the pass: its one host sync
+        floats = self.scores.tolist() if self.scores is not None else None  # evaluated with it
+        verdicts, at, fat = [], 0, 0
+        for i, k in enumerate(self.num_drafts):
+            n = self.top_n[i]
+            width = k + max(n, 0) * (k + 1) + 2
+            row_scores = None
+            if floats is not None and n >= 0:
+                row_scores = _Host(floats[fat : fat + k + 1 + n * (k + 1)])
+                fat += len(row_scores)
+            row = Pass(num_draft=k, packed=_Host(ints[at : at + width]), next_token=None,
+                       features=None if self.features is None else self.features[i],
+                       scores=row_scores, top_n=max(n, 0))
+            verdicts.append(row.verdict())
+            at += width
+        return verdicts
+
+
+class MLXBatchTarget:
+    """An mlx-lm model verifying chains of drafts for a changing batch of sequences."""
+
+    def __init__(self, model, *, capture_layers: Sequence[int] = (),
+                 prefill_step_size: int = 2048):
+        self.model = model
+        self.context_length = context_length(model)
+        self.capture_layers = tuple(capture_layers)
+        self.prefill_step_size = prefill_step_size
+        probe = make_prompt_cache(model)
+        bad = sorted({type(c).__name__ for c in probe
+                      if type(c) is not KVCache and not isinstance(c, ArraysCache)})
+        if bad:
+            raise ValueError(
+                f"batched verification rolls back plain KV caches and recurrent states only; "
+                f"this model uses {', '.join(bad)} (a sliding window past its size, or a cache "
+                f"mlx-lm cannot batch, cannot be cut back per row exactly)")
+        if any(type(m).__name__ == "DynamicNTKScalingRoPE" for _, m in model.named_modules()):
+            raise ValueError("dynamic NTK RoPE reads its position as one Python int, so rows "
+                             "at different positions cannot share a pass")
+        self._has_recurrent = any(is_recurrent(c) for c in probe)
+        self._mixers = state_mixers(model) if self._has_recurrent else []
+        self._taped = [] if fused_kernel_would_run() else tape_modules(
+            [getattr(layer, name) for layer, name in self._mixers])
+        self.cache = None  # mlx-lm batch caches, one per layer; None while no row is held
+        self._rows = 0
+        self._layout = 0  # bumped by add/remove: a pass's rollback cannot span them
+        self._last = None  # what rolling back the last pass needs (see _record)
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    def bind(self, drafter) -> None:
+        """A row's drafter; one that drafts inside the target's own cache cannot be one."""
+        if drafter.batch_refusal is not None:
+            raise ValueError(f"the {drafter.name} drafter cannot run in a batch: "
+                             f"{drafter.batch_refusal}")
+        drafter.bind(self)
+
+    # -- joining and leaving ------------------------------------------------------------------
+
+    def add(self, prompts: list[list[int]]) -> list:
+        """New rows join at the end, each prefilled on all its tokens but the last, together in
+        right-padded chunks; returns per new row its captured features (n_i, H*layers), or None
+        without capture_layers."""
+        if not prompts:
+            return []
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        cache = [type(cs[0]).merge(list(cs))  # a BatchKVCache, or a batch ArraysCache
+                 for cs in zip(*[make_prompt_cache(self.model) for _ in prompts])]
+        features = self._prefill(cache, [list(p[:-1]) for p in prompts])
+        if self.cache is None:
+            self.cache = cache
+        else:
+            for running, new in zip(self.cache, cache):
+                running.extend(new)
+        mx.eval([c.state for c in self.cache])
+        self._rows += len(prompts)
+        self._layout += 1
+        self._last = None
+        return features
+
+    def _prefill(self, cache: list, bodies: list[list[int]]) -> list:
+        """Run the bodies through fresh batch caches, right-padded: attention caches roll each
+        row right by its padding afterwards, recurrent states stop at each row's length."""
+        lengths = [len(b) for b in bodies]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        if longest and max(padding):
+            for c in cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([b + [0] * p for b, p in zip(bodies, padding)], dtype=mx.int32)
+        chunks = []
+        for start in range(0, longest, self.prefill_step_size):
+            with capture_layer_outputs(self.model, self.capture_layers) as hidden:
+                self.model(tokens[:, start : start + self.prefill_step_size], cache=cache)
+            if hidden:
+                chunks.append(concat_features(hidden))
+            mx.eval([c.state for c in cache] + chunks)
+            mx.clear_cache()
+        for c in cache:  # also clears the ArraysCache padding merge() sets, so masks stay off
+            c.finalize()
+        if not self.capture_layers:
+            return [None] * len(bodies)
+        if not chunks:
+            return [mx.zeros((0, 0)) for _ in bodies]
+        features = mx.concatenate(chunks, axis=1)  # (B, longest, H * layers)
+        return [features[i, :n] if n else mx.zeros((0, 0)) for i, n in enumerate(lengths)]
+
+    def remove(self, rows: list[int]) -> None:
+        """These rows leave; the others keep their order, renumbered from 0."""
+        gone = set(rows)
+        if any(not 0 <= r < self._rows for r in gone):
+            raise IndexError(f"rows {sorted(gone)} not all in a batch of {self._rows}")
+        keep = [i for i in range(self._rows) if i not in gone]
+        if not gone:
+            return
+        if keep:
+            index = mx.array(keep, dtype=mx.int32)
+            for c in self.cache:
+                c.filter(index)
+        else:
+            self.cache = None
+        self._rows = len(keep)
+        self._layout += 1
+        self._last = None
+
+    # -- passes ---------------------------------------------------------------------------------
+
+    def launch(self, pending: "list[int] | BatchPass", drafts: list[Draft],
+               samplings: list[SamplingConfig], logprobs: list[int | None] | None = None
+               ) -> BatchPass:
+        """Queue one pass over every row's [pending, drafts] with each row's acceptance under
+        its own sampling settings; nothing is read back until `BatchPass.verdicts()`."""
+        rows = self._rows
+        if not rows:
+            raise ValueError("no rows to verify")
+        if len(drafts) != rows or len(samplings) != rows:
+            raise ValueError(f"{rows} rows need {rows} drafts and samplings")
+        logprobs = logprobs if logprobs is not None else [None] * rows
+        if any(d.parents is not None for d in drafts):
+            raise ValueError("a batched pass verifies chains only: send a tree's first_chain()")
+        if any(d.early_exit is not None for d in drafts):
+            raise ValueError("a batched pass runs every layer: no early-exit (LayerSkip) drafts")
+        tokens = [d.tokens.astype(mx.int32) if isinstance(d.tokens, mx.array)
+                  else mx.array(d.tokens, dtype=mx.int32) for d in drafts]
+        ks = [int(t.shape[0]) for t in tokens]
+        width = 1 + max(ks)
+        if isinstance(pending, BatchPass):
+            if pending.layout != self._layout or len(pending.num_drafts) != rows:
+                raise ValueError("a queued pass's rows must be this batch's rows")
+            if max(pending.num_drafts):
+                raise ValueError("only a plain pass (no drafts) can feed the next one queued")
+            heads = pending.next_tokens
+        else:
+            heads = mx.array(pending, dtype=mx.int32)
+        inputs = mx.stack([mx.concatenate([heads[i : i + 1], t, mx.zeros((width - 1 - k,),
+                                                                           dtype=mx.int32)])
+                           for i, (t, k) in enumerate(zip(tokens, ks))])  # (rows, S)
+
+        undoable = width > 1 and self._has_recurrent
+        states = snapshot(self._recurrent()) if undoable else None
+        with (record_inputs(self._mixers if undoable else []) as calls,
+              state_tape(self._taped if undoable else []) as tape,
+              capture_layer_outputs(self.model, self.capture_layers) as hidden):
+            logits = self.model(inputs, cache=self.cache)  # (rows, S, V)
+        features = concat_features(hidden) if hidden else None
+        self._last = dict(width=width, written=[width] * rows, held=[k + 1 for k in ks],
+                          layout=self._layout, states=states, calls=calls if undoable else [],
+                          tape=tape)
+
+        packed, scores, next_tokens, row_features, top_n = [], [], [], [], []
+        for i, (t, k, d, s, n) in enumerate(zip(tokens, ks, drafts, samplings, logprobs)):
+            row = logits[i, : k + 1]
+            if k == 0:
+                accepted, nxt = mx.array(0), sample_token(row[-1], s)
+            elif s.greedy:
+                accepted, nxt = accept_greedy(row, t)
+            else:
+                accepted, nxt = accept_sampled(row, t, d.probs, s)
+            nxt = nxt.astype(mx.int32)
+            ids = []
+            if n is not None:
+                top_ids, values, n = committed_scores(row, t, mx.arange(k), accepted, nxt, s, n)
+                ids = [top_ids]
+                scores.append(values)
+            top_n.append(-1 if n is None else n)
+            packed += [t] + ids + [accepted.astype(mx.int32)[None], nxt[None]]
+            next_tokens.append(nxt)
+            if features is not None:
+                row_features.append(features[i, : k + 1])
+        packed = mx.concatenate(packed)
+        scores = mx.concatenate(scores) if scores else None
+        next_tokens = mx.stack(next_tokens)
+        mx.async_eval(packed, next_tokens, *([scores] if scores is not None else []),
+                      *row_features)
+        return BatchPass(num_drafts=ks, next_tokens=next_tokens, logits=logits, packed=packed,
+                         scores=scores, features=row_features if features is not None else None,
+                         top_n=top_n, layout=self._layout)
+
+    def settle(self, verdicts: list[Verdict]) -> None:
+        """Keep what each row committed of the last pass: 1 + its accepted drafts."""
+        if not any(v.draft_tokens for v in verdicts):
+            return  # a plain pass holds its one committed position per row, and no pads
+        self._roll_back([1 + v.accepted for v in verdicts], len(verdicts))
+
+    def trim(self, counts: list[int]) -> None:
+        """Drop the last counts[i] positions row i holds of the last pass (a queued pass's
+        drafts, when the loop stops early); its pads go too."""
+        if not any(counts) and (self._last is None or self._last["width"] == 1):
+            return
+        if self._last is None:
+            raise ValueError("no pass to trim")
+        self._roll_back([h - c for h, c in zip(self._last["held"], counts)], len(counts))
+
+    def _roll_back(self, keeps: list[int], n: int) -> None:
+        """Leave row i holding keeps[i] of the last pass's positions."""
+        last = self._last
+        if last is None or last["layout"] != self._layout or n != self._rows:
+            raise ValueError("rolling back needs the last pass over this batch's rows")
+        if any(not 1 <= k <= h for k, h in zip(keeps, last["held"])):
+            raise ValueError(f"each row keeps 1..{last['held']} positions, got {keeps}")
+        drop = [w - k for w, k in zip(last["written"], keeps)]
+        if not any(drop):
+            return
+        least = min(drop)
+        extra = [d - least for d in drop]
+        rolled = False
+        for c in self.cache:
+            if is_recurrent(c):
+                continue
+            c.trim(least)
+            if max(extra):
+                c.prepare(right_padding=extra)
+                c.finalize()
+                rolled = True
+        self._roll_back_states(keeps)
+        last["written"], last["held"] = list(keeps), list(keeps)
+        if rolled:
+            self._compact()
+
+    def _roll_back_states(self, keeps: list[int]) -> None:
+        """Each recurrent layer's state after row i's keeps[i]-th position of the last pass."""
+        last = self._last
+        if not last["calls"]:
+            return
+        recurrent = {id(c) for c in self._recurrent()}
+        replays = [(m, x, c) for m, x, c in last["calls"] if id(c) in recurrent]
+        if sorted(id(c) for _, _, c in replays) != sorted(recurrent):
+            raise ValueError("a recurrent layer of an unknown kind: cannot roll back its state")
+        keep = mx.array(keeps, dtype=mx.int32)
+        restore(self._recurrent(), last["states"])
+        for module, x, c in replays:
+            if id(module) in last["tape"]:
+                _select_rows(c, *last["tape"][id(module)], keep)
+            else:  # re-run the layer from the state before the pass, each row to its length
+                c.prepare(lengths=keeps)
+                module(x, mask=c.make_mask(x.shape[1]), cache=c)
+                c.finalize()
+
+    def _compact(self) -> None:
+        """Cut off the left padding every row carries (one host read of a small array)."""
+        kv = [c for c in self.cache if isinstance(c, BatchKVCache)]
+        if kv and min(kv[0].left_padding.tolist()) >= _COMPACT_AT:
+            index = mx.arange(self._rows)
+            for c in kv:
+                c.filter(index)
+
+    def _recurrent(self) -> list:
+        return [c for c in self.cache if is_recurrent(c)]
+
+    def holds_trees(self) -> bool:
+        return False
+
+    def rollback_room(self) -> int | None:
+        """Every cache held rolls back any number of positions (sliding windows are refused)."""
+        return None
+
+
+def _select_rows(cache, conv_input: mx.array, states: list, keep: mx.array) -> None:
+    """state_tape.select per row: row i's recurrent state after keep[i] positions of the pass
+    and its convolution window ending there."""
+    width = conv_input.shape[1] - len(states)
+    window = (keep[:, None] + mx.arange(width))[..., None]  # (rows, width, 1)
+    conv = mx.take_along_axis(conv_input, window, axis=1)
+    tape = mx.stack(states, axis=1)  # (rows, S, ...)
+    at = (keep - 1).reshape((-1,) + (1,) * (tape.ndim - 1))
+    cache.cache = [mx.contiguous(conv), mx.take_along_axis(tape, at, axis=1)[:, 0]]

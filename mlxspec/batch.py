@@ -1,0 +1,148 @@
+"""Many prompts at once, shaped like mlx-lm's batch_generate: every prompt is a row of the one
+loop (mlxspec.engine.Loop), verified together in one pass per step by a batched target, each
+with its own drafter state, K, sampling settings and stop."""
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from .backends import backend_for
+from .backends.mlx.target import stage_of
+from .engine import Loop, Row, SpecStats, draft_limit
+from .generate import _as_wrapper, check_request, encode_prompt
+from .generation_lock import clear_streams_at_thread_exit, generation_lock
+from .request import Request, check_count
+from .sampling import SamplingConfig
+
+
+@dataclass
+class BatchResponse:
+    """What `batch_generate` returns, per prompt in the order given: the text, the token ids
+    (without the stop token, as the text), why it ended ("stop" or "length"), and the loop's
+    statistics; and for the whole batch its token counts, speed and peak memory."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    stats: list[SpecStats]
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+    drafter: str = "none"
+
+
+def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Sequence[int]" = 256,
+                   *, drafter=None, num_draft: int | None = None, adaptive: bool = True,
+                   temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                   seed: int | None = None, overlap: bool = True,
+                   verbose: bool = False) -> BatchResponse:
+    """Generate a continuation of every prompt (strings or token ids, used as given) together.
+
+    Each prompt is a row: the rows' [pending, drafts] go through the target in one batched pass
+    per step, and each row keeps what its own acceptance rule says, so every output is the same
+    as that prompt's alone (greedy: token for token; sampled: in distribution). `max_tokens` is
+    one number or one per prompt; `drafter` (a Drafter or a name, as stream_generate's) is
+    forked per row, each fork with its own state and adaptive K. `seed` seeds the one random
+    stream the rows draw from (a row's draws depend on the others', unlike a lone generation's).
+    """
+    parts = backend_for(model)
+    if parts.batch_target is None:
+        raise ValueError(f"the {parts.name} backend runs one sequence at a time; batches run "
+                         "on MLX")
+    if stage_of(model) is not None:
+        raise ValueError("a target split across processes runs one sequence at a time")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts")
+    budgets = _budgets(max_tokens, len(prompts))
+    sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    requests = [Request(n, sampling, num_draft=num_draft, adaptive=adaptive, overlap=overlap)
+                for n in budgets]
+    tokenizer = _as_wrapper(tokenizer)
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    for tokens, request in zip(encoded, requests):
+        check_request(parts, model, tokens, request.max_tokens)
+
+    from .drafters import resolve_drafter
+
+    prototype = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
+    max_k = draft_limit(prototype, num_draft or prototype.default_num_draft)
+    target = parts.batch_target(model, capture_layers=prototype.capture_layers)
+    target.bind(prototype)  # refuses a drafter that cannot draft for a row, before any pass
+    if seed is not None:
+        parts.seed(seed)
+    eos = frozenset(tokenizer.eos_token_ids)
+    loop, rows = Loop(target, overlap=overlap), []
+    for tokens, request in zip(encoded, requests):
+        fork = prototype.fork()
+        policy = fork.draft_policy(max_k, sampling.greedy) if adaptive and max_k else None
+        row = Row(fork, list(tokens), sampling, request.max_tokens, max_k, policy, eos)
+        rows.append(row)
+        loop.join(row)
+
+    outputs = {id(row): [] for row in rows}
+    clear_streams_at_thread_exit()
+    with generation_lock(model):  # safe from several threads: they take turns
+        start, first = time.perf_counter(), None
+        for row, token, *_ in loop:
+            if first is None:
+                first = time.perf_counter()  # prefill is timed to the first token, as mlx-lm
+            outputs[id(row)].append(token)
+        end = time.perf_counter()
+    first = first or end
+    return _response(tokenizer, parts, model, prototype, rows, outputs, eos,
+                     prompt_tokens=sum(len(t) for t in encoded), prefill_seconds=first - start,
+                     decode_seconds=end - first, verbose=verbose)
+
+
+def _budgets(max_tokens, n: int) -> list[int]:
+    """max_tokens per prompt: one number for all, or a sequence of one per prompt."""
+    if isinstance(max_tokens, Sequence):
+        budgets = list(max_tokens)
+        if len(budgets) != n:
+            raise ValueError(f"max_tokens has {len(budgets)} values for {n} prompts")
+    else:
+        budgets = [max_tokens] * n
+    for value in budgets:
+        check_count("max_tokens", value)
+    return budgets
+
+
+def _response(tokenizer, parts, model, prototype, rows, outputs, eos, *, prompt_tokens: int,
+              prefill_seconds: float, decode_seconds: float, verbose: bool) -> BatchResponse:
+    texts, ids, reasons = [], [], []
+    for i, row in enumerate(rows):
+        tokens = outputs[id(row)]
+        stopped = bool(tokens) and tokens[-1] in eos
+        tokens = tokens[:-1] if stopped else tokens
+        ids.append(tokens)
+        texts.append(tokenizer.decode(tokens))
+        reasons.append("stop" if stopped else "length")
+        if verbose:
+            print(f"[{i}] {texts[-1]}")
+    generated = sum(len(t) for t in ids)
+    return BatchResponse(
+        texts=texts, token_ids=ids, finish_reasons=reasons, stats=[row.stats for row in rows],
+        prompt_tokens=prompt_tokens,
+        prompt_tps=prompt_tokens / prefill_seconds if prefill_seconds > 0 else 0.0,
+        generation_tokens=generated,
+        generation_tps=generated / decode_seconds if decode_seconds > 0 else 0.0,
+        peak_memory=parts.peak_memory_gb(model), drafter=prototype.name)
+
+
+def format_batch_stats(r: BatchResponse) -> str:
+    """The batch's speed and, with a drafter, each row's acceptance, for --verbose."""
+    lines = [
+        f"Prompts: {len(r.texts)}, {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tokens-per-sec",
+        f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.2f} tokens-per-sec "
+        "(all rows)",
+        f"Peak memory: {r.peak_memory:.3f} GB",
+    ]
+    if r.drafter != "none":
+        lines.append(f"Drafter: {r.drafter}")
+        lines += [f"[{i}] target passes: {s.target_passes}, drafted: {s.drafted}, accepted: "
+                  f"{s.accepted} ({100 * s.acceptance_rate:.1f}%), tau: {s.tau:.2f}"
+                  for i, s in enumerate(r.stats)]
+    return "\n".join(lines)
