@@ -57,13 +57,19 @@ def _model_id(model: str | None) -> str:
                       "ones are answered 400."),
     click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
                  help="Requests that may wait for the model; more are answered 429."),
+    click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+                 help="Requests generated at once, as rows of one batch verified together "
+                      "(continuous batching: they join and leave between steps). 1 serves one "
+                      "at a time, reusing prompt caches across requests; batching is off "
+                      "where it cannot run (torch backend, split target, LayerSkip)."),
     click.option("--max-num-draft", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_DRAFT,
                  show_default=True,
                  help="The most drafts per step a request may ask for (its \"num_draft\"); "
                       "more are answered 400. Each step verifies up to this many + 1 tokens."),
 ])
 def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port, api_key,
-          insecure_no_api_key, render_timeout, max_queue, max_num_draft, **drafter_options):
+          insecure_no_api_key, render_timeout, max_queue, max_batch, max_num_draft,
+          **drafter_options):
     """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'mlxspec[server]').
 
     \b
@@ -90,14 +96,14 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
         server = make_server(target, tokenizer, drafter=drafter, draft_model=draft_model,
                              model_id=_model_id(model), api_key=api_key, max_queue=max_queue,
                              render_timeout=render_timeout,
-                             max_num_draft=max_num_draft,
+                             max_num_draft=max_num_draft, max_batch=max_batch,
                              **_options_for(drafter, drafter_options))
     except _user_errors() as err:
         _fail(err)
     import uvicorn
 
     click.echo(f"mlxspec serve: {server.model_id} ({_backend_line(target)}), drafter {drafter}, "
-               f"on http://{host}:{port}/v1", err=True)
+               f"{server.worker.describe()}, on http://{host}:{port}/v1", err=True)
     uvicorn.run(server.app(), host=host, port=port, log_level="warning",
                 timeout_graceful_shutdown=30)
 

@@ -513,9 +513,10 @@ class Loop:
     def cancel(self, row: Row) -> None:
         """`row` yields nothing more and leaves at the next step boundary."""
         row.finished = True
-        self.cancelled.add(row)
         if row in self.joining:
             self.joining.remove(row)
+        elif row in self.rows:
+            self.cancelled.add(row)  # until it leaves: a long-lived loop keeps no row for good
 
     def _admit(self) -> None:
         """Rows that finished leave the target and rows that joined are prefilled: only
@@ -523,6 +524,7 @@ class Loop:
         gone = [i for i, row in enumerate(self.rows) if row.finished]
         if gone:
             self.target.remove(gone)
+            self.cancelled.difference_update(self.rows[i] for i in gone)
             self.rows = [row for row in self.rows if not row.finished]
         if self.joining:
             new, self.joining = self.joining, []

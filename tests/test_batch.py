@@ -151,6 +151,7 @@ def test_rows_join_and_leave_between_steps():
         if events == 15:
             loop.cancel(rows[1])
             loop.join(rows[4])
+    assert not loop.cancelled  # a long-lived loop (a server's) holds no row that left
     for i, row in enumerate(rows):
         got = [t for t in outputs[id(row)] if t not in eos]
         if i == 1:

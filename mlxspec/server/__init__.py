@@ -23,15 +23,19 @@ def _require_server_extra() -> None:
 
 def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, model_id="model",
                 api_key: str | None = None, max_queue: int = 64, render_timeout: float = 10.0,
-                max_num_draft: int = DEFAULT_MAX_NUM_DRAFT, **drafter_options):
+                max_num_draft: int = DEFAULT_MAX_NUM_DRAFT, max_batch: int = 1,
+                **drafter_options):
     """A Server for `model`: requests may choose "none", "lookup", or the server's `drafter`
     (and its "+lookup" form), loaded once here; unknown options fail before it starts.
     A request's num_draft may be at most `max_num_draft` (and the drafter's own maximum caps
-    what a step verifies)."""
+    what a step verifies). `max_batch` > 1 serves up to that many requests at once as rows of
+    one batch (mlxspec.server.batching), where the backend, model and drafter allow it;
+    1 serves them one at a time, continuing kept prompt caches."""
     _require_server_extra()
     from ..request import check_count
 
     check_count("max_num_draft", max_num_draft)
+    check_count("max_batch", max_batch)
     from ..drafters import LookupFirstDrafter, load_drafter
     from ..backends import backend_for
     from .app import Server
@@ -53,7 +57,7 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     return Server(model, tokenizer, model_id=model_id, build_drafters=build_drafters,
                   default_drafter=drafter, api_key=api_key, max_queue=max_queue,
                   context_length=parts.context_length(model), render_timeout=render_timeout,
-                  max_num_draft=max_num_draft)
+                  max_num_draft=max_num_draft, max_batch=max_batch)
 
 
 __all__ = ["check_exposure", "make_server"]

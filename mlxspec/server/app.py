@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from .guards import MAX_JSON_DEPTH, RenderSlots, json_too_deep
 from .logprobs import TokenNames, chat_logprobs, completion_logprobs
+from .batching import BatchWorker
 from .metrics import Metrics
 from .requests import APIError, GenerationRequest, parse_request
 from .worker import Delta, Job, Outcome, QueueFull, Worker
@@ -53,7 +54,7 @@ class Server:
     def __init__(self, model, tokenizer, *, model_id: str, build_drafters, default_drafter: str,
                  api_key: str | None = None, max_queue: int = 64, context_length=None,
                  render_timeout: float = 10.0, render_slots: int = 2,
-                 max_num_draft: int | None = None):
+                 max_num_draft: int | None = None, max_batch: int = 1):
         self.model_id, self.api_key = model_id, api_key
         self.max_num_draft = max_num_draft
         self.token_names = TokenNames(tokenizer)
@@ -61,10 +62,16 @@ class Server:
         self.big_render_slots = RenderSlots(1, render_timeout, background=True)
         self.tokenizer, self.context_length = tokenizer, context_length
         self.metrics = Metrics()
-        self.worker = Worker(model, tokenizer, build_drafters, default_drafter,
-                             max_queue=max_queue,
-                             on_finish=lambda job, outcome: self.metrics.finished(outcome))
+        on_finish = lambda job, outcome: self.metrics.finished(outcome)  # noqa: E731
+        if max_batch > 1:  # rows of one batch, where the model and drafters allow it
+            self.worker = BatchWorker(model, tokenizer, build_drafters, default_drafter,
+                                      max_queue=max_queue, on_finish=on_finish,
+                                      max_batch=max_batch)
+        else:
+            self.worker = Worker(model, tokenizer, build_drafters, default_drafter,
+                                 max_queue=max_queue, on_finish=on_finish)
         self.metrics.queue_length = lambda: self.worker.queue_length
+        self.metrics.batch_rows = lambda: (self.worker.rows, self.worker.max_batch)
         self.drafter_names = tuple(self.worker.drafters)
 
     def app(self) -> Starlette:
@@ -95,7 +102,8 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "queue": self.worker.queue_length,
-                             "busy": self.worker.busy})
+                             "busy": self.worker.busy, "rows": self.worker.rows,
+                             "max_batch": self.worker.max_batch})
 
     async def prometheus(self, request: Request) -> Response:
         if (denied := self.check_key(request)) is not None:  # /health stays open for probes

@@ -1,6 +1,7 @@
 """Live metrics in Prometheus' text format (GET /metrics): requests by endpoint and status,
-tokens, target passes, drafted and accepted tokens per drafter, τ, the queue, and histograms of
-time to first token and tokens per second."""
+tokens, target passes, drafted and accepted tokens per drafter, τ, the queue, the requests
+generating now (rows of the batch) and the most at once, and histograms of time to first token
+and tokens per second."""
 
 import threading
 from collections import defaultdict
@@ -32,6 +33,7 @@ class Metrics:
         self.per_drafter = defaultdict(lambda: defaultdict(int))  # drafter -> counter -> value
         self.ttft, self.tps = Histogram(TTFT_BUCKETS), Histogram(TPS_BUCKETS)
         self.queue_length = lambda: 0
+        self.batch_rows = lambda: (0, 1)  # (requests generating now, the most at once)
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -51,6 +53,7 @@ class Metrics:
                 self.tps.observe(outcome.tokens_per_second)
 
     def render(self) -> str:
+        rows, max_rows = self.batch_rows()
         with self._lock:
             lines = ["# TYPE mlxspec_requests_total counter"]
             lines += [f'mlxspec_requests_total{{endpoint="{e}",status="{s}"}} {n}'
@@ -66,6 +69,10 @@ class Metrics:
                       for d, c in sorted(self.per_drafter.items()) if c["target_passes"]]
             lines += ["# TYPE mlxspec_queue_length gauge",
                       f"mlxspec_queue_length {self.queue_length()}",
+                      "# TYPE mlxspec_batch_rows gauge",
+                      f"mlxspec_batch_rows {rows}",
+                      "# TYPE mlxspec_batch_max_rows gauge",
+                      f"mlxspec_batch_max_rows {max_rows}",
                       "# TYPE mlxspec_time_to_first_token_seconds histogram",
                       *self.ttft.lines("mlxspec_time_to_first_token_seconds"),
                       "# TYPE mlxspec_tokens_per_second histogram",

@@ -1,11 +1,12 @@
 """One generation at a time on one model, fed by a bounded FIFO queue.
 
 MLX evaluates one graph at a time on a device, and a drafter holds per-sequence state (its
-caches), so requests are served in arrival order by one worker thread rather than batched:
-batched speculative decoding would need a verify pass over sequences with different numbers of
-accepted drafts (ragged rollback of every cache, per-sequence adaptive K), which neither mlx-lm's
-caches nor this loop support yet. The HTTP side never blocks on the model: it queues a job and
-reads the job's events as the worker produces them.
+caches), so this worker serves requests in arrival order on one thread, each with the whole
+model (and a kept prompt cache to continue). It serves `mlxspec serve --max-batch 1`, and
+wherever rows cannot share a pass (the torch backend, a split target, LayerSkip);
+batching.BatchWorker serves concurrent requests as rows of one batch instead. The HTTP side
+never blocks on the model: it queues a job and reads the job's events as the worker produces
+them.
 """
 
 import asyncio
@@ -117,6 +118,9 @@ class QueueFull(Exception):
     pass
 
 
+NOTHING = object()  # Worker._take: no job waits
+
+
 class Worker:
     """Runs jobs one after another on a thread of its own; `submit` refuses past `max_queue`
     waiting jobs (the caller answers 429).
@@ -154,6 +158,17 @@ class Worker:
     def queue_length(self) -> int:
         return self._waiting
 
+    @property
+    def rows(self) -> int:
+        """Requests generating now (this worker runs one at a time)."""
+        return int(self.busy)
+
+    max_batch = 1  # the most requests generating at once
+
+    def describe(self) -> str:
+        """How it serves requests, for the startup line."""
+        return "one request at a time"
+
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._waiting >= self.max_queue:
@@ -168,18 +183,35 @@ class Worker:
     def _run(self, build_drafters, built: list, ready: threading.Event) -> None:
         try:
             self.drafters = build_drafters()
+            self._prepare()
         except BaseException as err:  # noqa: BLE001  (raised again in __init__)
             built.append(err)
             return
         finally:
             ready.set()
+        self._serve()
+
+    def _prepare(self) -> None:
+        """What the serving loop needs besides the drafters, set up on the worker's thread."""
+
+    def _take(self, block: bool = True):
+        """The next job in the FIFO (None: stop; NOTHING: none waits and `block` is False)."""
+        try:
+            job = self._jobs.get(block=block)
+        except queue.Empty:
+            return NOTHING
+        if job is not None:
+            with self._lock:
+                self._waiting -= 1
+        return job
+
+    def _serve(self) -> None:
+        """Jobs one after another, in arrival order, until stop()."""
         while True:
-            job = self._jobs.get()
+            job = self._take()
             if job is None:
                 _release_other_ranks(self.model)
                 return
-            with self._lock:
-                self._waiting -= 1
             if job.cancelled.is_set():  # the client left while it waited
                 continue
             self.busy = True
