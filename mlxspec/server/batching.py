@@ -255,9 +255,9 @@ class BatchWorker(Worker):
         if not reply.row.finished:
             self.loop.cancel(reply.row)
         outcome = reply.close(finish)
-        reply.job.emit("done", outcome)
-        if self.on_finish is not None:
+        if self.on_finish is not None:  # metrics count it before its client hears
             self.on_finish(reply.job, outcome)
+        reply.job.emit("done", outcome)
 
     def _fail(self, err: Exception) -> None:
         """A pass failed: every row's request gets the error, and a fresh batch starts."""

@@ -217,9 +217,9 @@ class Worker:
             self.busy = True
             try:
                 outcome = self._generate(job)
-                job.emit("done", outcome)
-                if self.on_finish is not None:
+                if self.on_finish is not None:  # metrics count it before its client hears
                     self.on_finish(job, outcome)
+                job.emit("done", outcome)
             except Exception as err:  # noqa: BLE001  (reported to the client, the server lives)
                 job.emit("error", f"{type(err).__name__}: {err}")
             finally:
