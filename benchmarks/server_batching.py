@@ -28,7 +28,7 @@ import mlxspec
 from mlxspec.loading import resolve_model_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_load import percentile, prompts  # noqa: E402
+from server_load import percentile, prompts, wait_until_up  # noqa: E402
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
@@ -43,15 +43,7 @@ class Process:
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=env)
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/v1/models", timeout=5)
-                return
-            except OSError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"{argv[0]} did not start")
-                time.sleep(0.5)
+        wait_until_up(self.url + "/v1/models", self.proc, argv[0])
 
     def stop(self):
         self.proc.terminate()

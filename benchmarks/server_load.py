@@ -54,6 +54,19 @@ def in_process(texts, max_tokens, drafter) -> list[float]:
     return out
 
 
+def wait_until_up(url: str, proc, name: str, seconds: float = 300) -> None:
+    """Poll `url` until it answers; RuntimeError if `proc` exits or time runs out first."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5)
+            return
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"{name} did not start") from None
+            time.sleep(0.5)
+
+
 class Served:
     def __init__(self, drafter: str, port: int):
         script = Path(sys.executable).with_name("mlxspec")
@@ -61,15 +74,7 @@ class Served:
                                       drafter], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=dict(os.environ))
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=5)
-                return
-            except OSError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("the server did not start")
-                time.sleep(0.5)
+        wait_until_up(self.url + "/health", self.proc, "the server")
 
     def stop(self):
         self.proc.terminate()
