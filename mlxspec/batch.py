@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .backends import backend_for
 from .backends.mlx.target import stage_of
-from .engine import Loop, Row, SpecStats, draft_limit
+from .engine import Drafter, Loop, Row, SpecStats, draft_limit
 from .generate import _as_wrapper, check_request, encode_prompt
 from .generation_lock import clear_streams_at_thread_exit, generation_lock
 from .request import Request, check_count
@@ -48,11 +48,9 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     stream the rows draw from (a row's draws depend on the others', unlike a lone generation's).
     """
     parts = backend_for(model)
-    if parts.batch_target is None:
-        raise ValueError(f"the {parts.name} backend runs one sequence at a time; batches run "
-                         "on MLX")
-    if stage_of(model) is not None:
-        raise ValueError("a target split across processes runs one sequence at a time")
+    refusal = model_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts")
@@ -68,18 +66,15 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     from .drafters import resolve_drafter
 
     prototype = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
-    max_k = draft_limit(prototype, num_draft or prototype.default_num_draft)
+    prototype.check_batchable()  # before the batch target is even built
     target = parts.batch_target(model, capture_layers=prototype.capture_layers)
-    target.bind(prototype)  # refuses a drafter that cannot draft for a row, before any pass
     if seed is not None:
         parts.seed(seed)
     eos = frozenset(tokenizer.eos_token_ids)
-    loop, rows = Loop(target, overlap=overlap), []
-    for tokens, request in zip(encoded, requests):
-        fork = prototype.fork()
-        policy = fork.draft_policy(max_k, sampling.greedy) if adaptive and max_k else None
-        row = Row(fork, list(tokens), sampling, request.max_tokens, max_k, policy, eos)
-        rows.append(row)
+    loop = Loop(target, overlap=overlap)
+    rows = [request_row(prototype, tokens, request, eos)
+            for tokens, request in zip(encoded, requests)]
+    for row in rows:
         loop.join(row)
 
     outputs = {id(row): [] for row in rows}
@@ -95,6 +90,30 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     return _response(tokenizer, parts, model, prototype, rows, outputs, eos,
                      prompt_tokens=sum(len(t) for t in encoded), prefill_seconds=first - start,
                      decode_seconds=end - first, verbose=verbose)
+
+
+def model_refusal(model) -> str | None:
+    """Why `model` cannot verify rows of a batch (None: it can), before anything is built; a
+    model whose caches cannot be cut back per row is refused by its batch target."""
+    parts = backend_for(model)
+    if parts.batch_target is None:
+        return f"the {parts.name} backend runs one sequence at a time; batches run on MLX"
+    if stage_of(model) is not None:
+        return "a target split across processes runs one sequence at a time"
+    return None
+
+
+def request_row(drafter: Drafter, prompt: list[int], request: Request,
+                stop_tokens: frozenset) -> Row:
+    """A request as a row of the loop: a fork of `drafter` (its own state and adaptive K),
+    drafting at most what the request asks and the drafter can propose."""
+    drafter.check_batchable()
+    fork = drafter.fork()
+    max_k = draft_limit(fork, request.num_draft or fork.default_num_draft)
+    greedy = request.sampling.greedy
+    policy = fork.draft_policy(max_k, greedy) if request.adaptive and max_k else None
+    return Row(fork, list(prompt), request.sampling, request.max_tokens, max_k, policy,
+               stop_tokens, request.logprobs)
 
 
 def _budgets(max_tokens, n: int) -> list[int]:

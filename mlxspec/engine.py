@@ -197,6 +197,12 @@ class Drafter:
     # cache, LayerSkip, cannot: it says why in `batch_refusal`).
     batch_refusal: str | None = None
 
+    def check_batchable(self) -> None:
+        """A ValueError saying why, for a drafter that cannot draft for a row of a batch."""
+        if self.batch_refusal is not None:
+            raise ValueError(f"the {self.name} drafter cannot run in a batch: "
+                             f"{self.batch_refusal}")
+
     def fork(self) -> "Drafter":
         """A drafter of the same kind and weights with a state of its own (begin() starts it),
         for another sequence drafted at the same time: a row of a batch."""

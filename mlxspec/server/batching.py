@@ -15,7 +15,8 @@ joins it, and batching resumes after it. And prompt caches are not kept between 
 
 import time
 
-from ..engine import Loop, Row, draft_limit
+from ..batch import model_refusal, request_row
+from ..engine import Loop, Row
 from ..generate import Responses, Session, _as_wrapper, check_request
 from ..generation_lock import clear_streams_at_thread_exit, generation_lock
 from .worker import NOTHING, Answer, Job, Outcome, Worker
@@ -24,15 +25,9 @@ from .worker import NOTHING, Answer, Job, Outcome, Worker
 def batch_refusal(model, drafters: dict) -> str | None:
     """Why requests to `model` with these drafters cannot be rows of one batch (None: they
     can); the model's own refusal (a sliding window...) comes when its batch target is built."""
-    from ..backends import backend_for
-
-    parts = backend_for(model)
-    if parts.batch_target is None:
-        return f"the {parts.name} backend runs one sequence at a time"
-    from ..backends.mlx.target import stage_of
-
-    if stage_of(model) is not None:
-        return "a target split across processes runs one sequence at a time"
+    refusal = model_refusal(model)
+    if refusal is not None:
+        return refusal
     for name, drafter in drafters.items():
         if drafter.batch_refusal is not None:
             return f"the {name} drafter cannot draft for a row: {drafter.batch_refusal}"
@@ -221,17 +216,8 @@ class BatchWorker(Worker):
         request, generation = job.request, job.request.generation
         try:
             check_request(self.parts, self.model, request.prompt, generation.max_tokens)
-            drafter = self.drafter_for(request)
-            if drafter.batch_refusal is not None:
-                raise ValueError(f"the {drafter.name} drafter cannot run in a batch: "
-                                 f"{drafter.batch_refusal}")
-            fork = drafter.fork()
-            num_draft = generation.num_draft or fork.default_num_draft
-            max_k = draft_limit(fork, num_draft)
-            greedy = generation.sampling.greedy
-            policy = fork.draft_policy(max_k, greedy) if generation.adaptive and max_k else None
-            row = Row(fork, list(request.prompt), generation.sampling, generation.max_tokens,
-                      max_k, policy, self.eos, generation.logprobs)
+            row = request_row(self.drafter_for(request), request.prompt, generation, self.eos)
+            num_draft = generation.num_draft or row.drafter.default_num_draft
             reply = RowReply(job, row, self.tokenizer, self.eos, num_draft,
                              lambda: self.parts.peak_memory_gb(self.model))
         except Exception as err:  # noqa: BLE001  (this request's failure only)

@@ -112,9 +112,7 @@ class MLXBatchTarget:
 
     def bind(self, drafter) -> None:
         """A row's drafter; one that drafts inside the target's own cache cannot be one."""
-        if drafter.batch_refusal is not None:
-            raise ValueError(f"the {drafter.name} drafter cannot run in a batch: "
-                             f"{drafter.batch_refusal}")
+        drafter.check_batchable()
         drafter.bind(self)
 
     # -- joining and leaving ------------------------------------------------------------------
