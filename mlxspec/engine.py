@@ -423,6 +423,10 @@ class Row:
     stop_tokens: frozenset = frozenset()
     logprobs: int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    # A kept prompt cache to start from, (caches, n) holding the prompt's first n tokens, so
+    # only the rest is prefilled; and who takes the row's caches when it leaves (to keep them).
+    start: Any = None
+    on_leave: Any = None
     produced: int = 0
     finished: bool = False  # it stopped, ran out of tokens or was cancelled: it leaves
     clock: float = 0.0  # when its last step ended, for the policy's step times
@@ -441,15 +445,27 @@ class OneRow:
         self.target = target
         self.context_length = target.context_length
         self.rows = 0
+        self.prompts: list[list[int]] = []  # added, not yet prefilled
 
     def bind(self, drafter: Drafter) -> None:
         drafter.bind(self.target)
 
-    def add(self, prompts: list[list[int]]) -> list:
-        if self.rows + len(prompts) > 1:
+    def add(self, prompts: list[list[int]], starts: list | None = None) -> list[int]:
+        if self.rows + len(self.prompts) + len(prompts) > 1:
             raise ValueError("this target holds one sequence")
+        if starts and any(starts):
+            raise ValueError("a one-sequence target keeps its own prompt cache")
+        self.prompts += prompts
+        return list(range(len(prompts)))
+
+    def fill(self, budget: int | None = None) -> list[tuple[int, Any]]:
+        """The prompt prefilled whole (the target chunks it itself)."""
+        prompts, self.prompts = self.prompts, []
         self.rows += len(prompts)
-        return [self.target.prefill(prompt) for prompt in prompts]
+        return [(0, self.target.prefill(prompt)) for prompt in prompts]
+
+    def drop(self, ticket: int) -> None:
+        self.prompts = []
 
     def remove(self, rows: list[int]) -> None:
         self.rows -= len(rows)
@@ -502,10 +518,14 @@ class Loop:
     `overlap=False` queues each pass only when the caller asks for more (to measure the host).
     """
 
-    def __init__(self, target, *, overlap: bool = True):
+    def __init__(self, target, *, overlap: bool = True, prefill_chunk: int = 512):
         self.target, self.overlap = target, overlap
+        # Prompt tokens prefilled between two passes while rows generate: a long prompt joins
+        # over several steps instead of stalling every running row for all of its prefill.
+        self.prefill_chunk = prefill_chunk
         self.rows: list[Row] = []  # in the target's order
-        self.joining: list[Row] = []
+        self.joining: list[Row] = []  # to be added to the target at the next step boundary
+        self.filling: dict[int, Row] = {}  # added, being prefilled: by the target's ticket
         self.step = None  # the pass queued and not yet read, over every row in self.rows
         # Several rows with an adaptive K: the batch's pass width, chosen for all of them.
         self.budget: VerifyBudget | None = None
@@ -513,7 +533,7 @@ class Loop:
         self.cancelled: set[Row] = set()
 
     def join(self, row: Row) -> None:
-        """`row` starts at the next step boundary: its prompt is prefilled then."""
+        """`row` starts at the next step boundary: its prompt is prefilled from then on."""
         self.joining.append(row)
 
     def cancel(self, row: Row) -> None:
@@ -521,13 +541,21 @@ class Loop:
         row.finished = True
         if row in self.joining:
             self.joining.remove(row)
+        elif row in self.filling.values():
+            ticket = next(t for t, r in self.filling.items() if r is row)
+            self.target.drop(ticket)
+            del self.filling[ticket]
         elif row in self.rows:
             self.cancelled.add(row)  # until it leaves: a long-lived loop keeps no row for good
 
     def _admit(self) -> None:
-        """Rows that finished leave the target and rows that joined are prefilled: only
-        between passes (no pass queued over the old rows)."""
+        """Rows that finished leave the target (handing their caches to `on_leave`), and
+        joining rows are prefilled, a chunk at a time while others generate (all at once when
+        none does): only between passes (no pass queued over the old rows)."""
         gone = [i for i, row in enumerate(self.rows) if row.finished]
+        for i in gone:
+            if self.rows[i].on_leave is not None:
+                self.rows[i].on_leave(self.target.row_cache(i))
         if gone:
             self.target.remove(gone)
             self.cancelled.difference_update(self.rows[i] for i in gone)
@@ -536,10 +564,15 @@ class Loop:
             new, self.joining = self.joining, []
             for row in new:
                 self.target.bind(row.drafter)
-            for row, features in zip(new, self.target.add([row.tokens for row in new])):
+            tickets = self.target.add([row.tokens for row in new], [row.start for row in new])
+            self.filling.update(zip(tickets, new))
+        if self.filling:
+            for ticket, features in self.target.fill(self.prefill_chunk if self.rows else None):
+                row = self.filling.pop(ticket)
+                row.start = None  # the batch holds a copy
                 row.drafter.begin(row.tokens, features)
                 row.clock = time.perf_counter()
-            self.rows += new
+                self.rows.append(row)
             self.clock = time.perf_counter()  # a step's time leaves the prefill out
 
     def _choose_k(self, row: Row, produced: int, length: int, wanted: int | None = None) -> int:
@@ -597,7 +630,7 @@ class Loop:
         """A plain pass queued before the current one is read, when every row's current pass
         is plain, every row's next K is known, is 0 and leaves room, and no row is waiting to
         join or leave."""
-        if not (self.overlap and self.rows and not self.joining
+        if not (self.overlap and self.rows and not self.joining and not self.filling
                 and not any(self.step.num_drafts)
                 and all(r.k_ahead and not r.finished and r.produced + 1 < r.max_tokens
                         for r in self.rows)):

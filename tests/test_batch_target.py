@@ -47,6 +47,16 @@ class Single(MLXTarget):
         return self.logits, features
 
 
+def join_rows(batch, prompts, starts=None, budget=None) -> list:
+    """Rows join the batch: added, then prefilled until every one is ready (in `budget`-token
+    steps); their features, in the order given."""
+    tickets = batch.add(prompts, starts)
+    features = {}
+    while batch.joining:
+        features.update(batch.fill(budget))
+    return [features[t] for t in tickets]
+
+
 def relative_diff(want, got) -> float:
     """max |got - want| over the scale of `want` (at least 1)."""
     return mx.abs(got - want).max().item() / max(1.0, mx.abs(want).max().item())
@@ -82,11 +92,12 @@ def model_and_path(case, monkeypatch):
 
 def assert_caches_match_fresh(model, batch, row, tokens):
     """Row `row`'s caches equal a fresh prefill of everything it committed but the pending
-    token (its KV entries as `extract` gives them, its recurrent states)."""
+    token (its KV entries and recurrent states, copied out as a prompt cache to keep)."""
     fresh = MLXTarget(model)
     fresh.prefill(tokens)
-    for b, f in zip(batch.cache, fresh.cache):
-        got = b.extract(row)
+    caches, held = batch.row_cache(row)
+    assert held == len(tokens) - 1
+    for b, got, f in zip(batch.cache, caches, fresh.cache):
         if isinstance(b, BatchKVCache):
             assert got.offset == f.offset == len(tokens) - 1
             for g, w in ((got.keys, f.keys[..., : f.offset, :]),
@@ -111,7 +122,7 @@ def test_rows_verify_and_roll_back_as_the_single_path(case, monkeypatch):
     singles, tokens, ids = {}, {}, []
 
     def join(uids):
-        batch.add([prompts[u] for u in uids])
+        join_rows(batch, [prompts[u] for u in uids])
         for u in uids:
             singles[u] = Single(model, speculative=True)
             singles[u].prefill(prompts[u])
@@ -167,13 +178,77 @@ def test_rows_verify_and_roll_back_as_the_single_path(case, monkeypatch):
         assert_caches_match_fresh(model, batch, r, tokens[u])
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_rows_join_from_kept_caches_in_chunks_as_a_fresh_prefill(name):
+    """Rows joining with a kept prompt cache (holding a prefix of their prompt, as a chat's
+    next turn) prefill only the rest, a few tokens per step with a pass over the running rows
+    between the chunks; each row's verify logits then equal the single path's, and its caches
+    (in the batch, and copied out by row_cache to be kept) equal a fresh prefill."""
+    model = MODELS[name]()
+    rnd = random.Random(1)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 6, 1, 5)]
+    kept = {0: 5, 1: 13, 2: 0, 4: 4}  # tokens a kept cache holds: a prefix, all but the last
+
+    def start(r):
+        if r not in kept:
+            return None
+        single = MLXTarget(model)
+        single.prefill(prompts[r][: kept[r] + 1])  # holds all but the last: kept[r] tokens
+        return single.cache, kept[r]
+
+    batch = MLXBatchTarget(model)
+    join_rows(batch, [prompts[3]])  # a running row, stepping between the others' chunks
+    tokens = {3: list(prompts[3])}
+    order = [3]
+    tickets = dict(zip(batch.add(prompts[:3] + prompts[4:], [start(r) for r in (0, 1, 2, 4)]),
+                       (0, 1, 2, 4)))
+    steps = 0
+    while batch.joining:
+        ready = batch.fill(budget=4)
+        assert sum(1 for t in tickets if t in dict(ready)) == len(ready)
+        for ticket, _ in ready:
+            r = tickets[ticket]
+            order.append(r)
+            tokens[r] = list(prompts[r])
+        bp = batch.launch([tokens[r][-1] for r in order], [Draft(tokens=[])] * len(order),
+                          [GREEDY] * len(order))
+        for r, v in zip(order, bp.verdicts()):
+            tokens[r] += v.committed
+        batch.settle(bp.verdicts())
+        steps += 1
+    assert steps >= 3  # 4 tokens a step: the 13 prompt tokens not kept take several
+    drafts = [Draft(tokens=[rnd.randrange(VOCAB) for _ in range(2)]) for _ in order]
+    bp = batch.launch([tokens[r][-1] for r in order], drafts, [GREEDY] * len(order))
+    for i, (r, d, v) in enumerate(zip(order, drafts, bp.verdicts())):
+        single = Single(model, speculative=True)
+        single.prefill(tokens[r])
+        ref = single.launch(tokens[r][-1], d, GREEDY).verdict()
+        assert relative_diff(single.logits, bp.logits[i, :3]) <= TOLERANCE, r
+        assert (v.accepted, v.next_token) == (ref.accepted, ref.next_token)
+        tokens[r] += v.committed
+    batch.settle(bp.verdicts())
+    for i, r in enumerate(order):
+        assert_caches_match_fresh(model, batch, i, tokens[r])
+
+
+def test_a_kept_cache_must_leave_the_last_prompt_token():
+    model = MODELS["llama"]()
+    single = MLXTarget(model)
+    single.prefill([1, 2, 3, 4])
+    batch = MLXBatchTarget(model)
+    with pytest.raises(ValueError, match="never all of it"):
+        batch.add([[1, 2, 3]], [(single.cache, 3)])
+    with pytest.raises(ValueError, match="starts afresh"):
+        MLXBatchTarget(model, capture_layers=(0,)).add([[1, 2, 3, 4, 5]], [(single.cache, 3)])
+
+
 @pytest.mark.parametrize("case", ["llama", "qwen3_5", "qwen3_5-rerun"])
 def test_trim_drops_a_queued_pass_per_row(case, monkeypatch):
     """The loop stopping early with a pass queued cuts each row's drafts (and pads) off."""
     model = model_and_path(case, monkeypatch)
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6]]
     batch = MLXBatchTarget(model)
-    batch.add(prompts)
+    join_rows(batch, prompts)
     batch.launch([p[-1] for p in prompts],
                  [Draft(tokens=[1, 2, 3]), Draft(tokens=[]), Draft(tokens=[7])], [GREEDY] * 3)
     batch.trim([3, 0, 1])  # the pass's pending tokens stay: they were committed
@@ -185,10 +260,10 @@ def test_trim_drops_a_queued_pass_per_row(case, monkeypatch):
 def test_remove_all_rows_then_add():
     model = MODELS["llama"]()
     batch = MLXBatchTarget(model)
-    batch.add([[1, 2, 3], [4]])
+    join_rows(batch, [[1, 2, 3], [4]])
     batch.remove([1, 0])
     assert batch.rows == 0
-    batch.add([[5, 6, 7, 8]])
+    join_rows(batch, [[5, 6, 7, 8]])
     assert batch.rows == 1
     bp = batch.launch([8], [Draft(tokens=[1, 2])], [GREEDY])
     single = Single(model, speculative=True)
@@ -198,7 +273,7 @@ def test_remove_all_rows_then_add():
     v, = bp.verdicts()
     assert (v.accepted, v.next_token) == (ref.accepted, ref.next_token)
     batch.remove([0])
-    batch.add([[9], [3]])  # one-token prompts only: nothing to prefill
+    join_rows(batch, [[9], [3]])  # one-token prompts only: nothing to prefill
     bp = batch.launch([9, 3], [Draft(tokens=[])] * 2, [GREEDY] * 2)
     for r, token in enumerate([9, 3]):
         single = Single(model)
@@ -211,7 +286,7 @@ def test_remove_all_rows_then_add():
 def test_refusals():
     model = MODELS["llama"]()
     batch = MLXBatchTarget(model)
-    batch.add([[1, 2]])
+    join_rows(batch, [[1, 2]])
     assert not batch.holds_trees() and batch.rollback_room() is None
     with pytest.raises(ValueError, match="chains only"):
         batch.launch([2], [Draft(tokens=[1, 2], parents=(0, 1))], [GREEDY])
@@ -233,7 +308,7 @@ def test_features_and_logprobs_per_row_match_the_single_path(name):
     layers = (0, 1) if name == "llama" else (1, 3)
     prompts = [[5, 3, 9, 1, 7, 2], [8], [4, 4, 6]]
     batch = MLXBatchTarget(model, capture_layers=layers, prefill_step_size=4)
-    got = batch.add(prompts)
+    got = join_rows(batch, prompts)
     singles = []
     for p, features in zip(prompts, got):
         single = Single(model, capture_layers=layers, speculative=True, prefill_step_size=4)
@@ -271,7 +346,7 @@ def test_a_greedy_row_beside_a_sampled_row_keeps_its_tokens():
     model = MODELS["qwen3_5"]()
     prompt = [7, 3, 11, 2]
     batch = MLXBatchTarget(model)
-    batch.add([prompt, [1, 9, 4]])
+    join_rows(batch, [prompt, [1, 9, 4]])
     rnd = random.Random(3)
     mx.random.seed(5)
     rows = [list(prompt), [1, 9, 4]]
@@ -300,7 +375,7 @@ def test_sampled_rows_draw_from_the_target_distribution():
     counts = Counter()
     greedy_token = greedy_continuation(model, prompt, 1)[0]
     for _ in range(passes):
-        batch.add([prompt] * (1 + sampled))
+        join_rows(batch, [prompt] * (1 + sampled))
         drafts = [Draft(tokens=[3, 5])] + [Draft(tokens=[3, 5][: 1 + r % 2])
                                            for r in range(sampled)]
         verdicts = batch.launch([prompt[-1]] * (1 + sampled), drafts,

@@ -27,10 +27,11 @@ from ...engine import Draft, Pass, Verdict
 from ...rollback import is_recurrent, restore, snapshot
 from ...sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
+from .batch_prefill import JoiningRows
 from .hidden_states import capture_layer_outputs, concat_features, record_inputs
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
-from .target import committed_scores, context_length, state_mixers
+from .target import cache_offset, committed_scores, context_length, state_mixers
 
 # Left padding that every row carries (rows that accepted less than others build it up) is cut
 # off once it is this wide: a gather of every attention cache, so not after every pass.
@@ -85,7 +86,6 @@ class MLXBatchTarget:
         self.model = model
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
-        self.prefill_step_size = prefill_step_size
         probe = make_prompt_cache(model)
         bad = sorted({type(c).__name__ for c in probe
                       if type(c) is not KVCache and not isinstance(c, ArraysCache)})
@@ -102,6 +102,8 @@ class MLXBatchTarget:
         self._taped = [] if fused_kernel_would_run() else tape_modules(
             [getattr(layer, name) for layer, name in self._mixers])
         self.cache = None  # mlx-lm batch caches, one per layer; None while no row is held
+        self._joining = JoiningRows(model, self.capture_layers, prefill_step_size)
+        self._tickets = 0
         self._rows = 0
         self._layout = 0  # bumped by add/remove: a pass's rollback cannot span them
         self._last = None  # what rolling back the last pass needs (see _record)
@@ -117,54 +119,61 @@ class MLXBatchTarget:
 
     # -- joining and leaving ------------------------------------------------------------------
 
-    def add(self, prompts: list[list[int]]) -> list:
-        """New rows join at the end, each prefilled on all its tokens but the last, together in
-        right-padded chunks; returns per new row its captured features (n_i, H*layers), or None
-        without capture_layers."""
+    def add(self, prompts: list[list[int]], starts: list | None = None) -> list[int]:
+        """New rows start joining, each to be prefilled on all its tokens but the last (the
+        pending one) by `fill`; starts[i], where given, is (single-row caches, n): a kept
+        prompt cache already holding the first n tokens of prompts[i]. Returns a ticket per
+        row, for `fill` to name it by."""
         if not prompts:
             return []
+        starts = starts or [None] * len(prompts)
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        cache = [type(cs[0]).merge(list(cs))  # a BatchKVCache, or a batch ArraysCache
-                 for cs in zip(*[make_prompt_cache(self.model) for _ in prompts])]
-        features = self._prefill(cache, [list(p[:-1]) for p in prompts])
+        if self.capture_layers and any(starts):
+            raise ValueError("a row whose drafter reads the prompt's features starts afresh")
+        if any(s is not None and not 0 <= s[1] < len(p) for s, p in zip(starts, prompts)):
+            raise ValueError("a kept cache holds a prefix of its prompt, never all of it")
+        tickets = list(range(self._tickets, self._tickets + len(prompts)))
+        self._tickets += len(prompts)
+        bodies = [list(p[s[1] if s else 0 : -1]) for p, s in zip(prompts, starts)]
+        self._joining.add(tickets, bodies,
+                          [s[0] if s else make_prompt_cache(self.model) for s in starts])
+        return tickets
+
+    @property
+    def joining(self) -> int:
+        """Rows added and not yet ready."""
+        return len(self._joining)
+
+    def fill(self, budget: int | None = None) -> list[tuple[int, object]]:
+        """Prefill joining rows by about `budget` tokens in all (None: to their ends), in
+        chunks between which no pass runs; the rows now ready join the batch at its end, in
+        the order they were added. Returns (ticket, its captured features (n_i, H*layers) or
+        None) per ready row, in that order."""
+        tickets, cache, features = self._joining.step(budget)
+        if not tickets:
+            return []
         if self.cache is None:
             self.cache = cache
         else:
             for running, new in zip(self.cache, cache):
                 running.extend(new)
         mx.eval([c.state for c in self.cache])
-        self._rows += len(prompts)
+        self._rows += len(tickets)
         self._layout += 1
         self._last = None
-        return features
+        return list(zip(tickets, features or [None] * len(tickets)))
 
-    def _prefill(self, cache: list, bodies: list[list[int]]) -> list:
-        """Run the bodies through fresh batch caches, right-padded: attention caches roll each
-        row right by its padding afterwards, recurrent states stop at each row's length."""
-        lengths = [len(b) for b in bodies]
-        longest = max(lengths)
-        padding = [longest - n for n in lengths]
-        if longest and max(padding):
-            for c in cache:
-                c.prepare(lengths=lengths, right_padding=padding)
-        tokens = mx.array([b + [0] * p for b, p in zip(bodies, padding)], dtype=mx.int32)
-        chunks = []
-        for start in range(0, longest, self.prefill_step_size):
-            with capture_layer_outputs(self.model, self.capture_layers) as hidden:
-                self.model(tokens[:, start : start + self.prefill_step_size], cache=cache)
-            if hidden:
-                chunks.append(concat_features(hidden))
-            mx.eval([c.state for c in cache] + chunks)
-            mx.clear_cache()
-        for c in cache:  # also clears the ArraysCache padding merge() sets, so masks stay off
-            c.finalize()
-        if not self.capture_layers:
-            return [None] * len(bodies)
-        if not chunks:
-            return [mx.zeros((0, 0)) for _ in bodies]
-        features = mx.concatenate(chunks, axis=1)  # (B, longest, H * layers)
-        return [features[i, :n] if n else mx.zeros((0, 0)) for i, n in enumerate(lengths)]
+    def drop(self, ticket: int) -> None:
+        """A joining row leaves before it is ready."""
+        self._joining.drop(ticket)
+
+    def row_cache(self, row: int) -> tuple[list, int | None]:
+        """Row `row`'s caches, copied out of the batch as one sequence's (a prompt cache to
+        keep), and the positions they hold (None: no layer counts them)."""
+        caches = [c.extract(row) for c in self.cache]
+        mx.eval([c.state for c in caches])  # else they would hold on to the batch's arrays
+        return caches, cache_offset(caches)
 
     def remove(self, rows: list[int]) -> None:
         """These rows leave; the others keep their order, renumbered from 0."""

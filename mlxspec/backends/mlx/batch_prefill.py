@@ -1,0 +1,119 @@
+"""Rows on their way into a batch (issue #39): their prompts prefilled together, in chunks, so
+the rows already generating get a step between two chunks instead of waiting out a long prompt.
+
+Joining rows live in batch caches of their own (mlx-lm's BatchKVCache and batch ArraysCache,
+merged from each row's start: fresh caches, or a kept prompt cache holding a prefix of its
+prompt). A chunk runs every joining row's next tokens through the model in one pass,
+right-padded to the chunk's width; a row whose prompt ends inside the chunk (or before it: a
+length of 0) is rolled right by its padding (attention) or stopped at its length (recurrent
+layers), mlx-lm's own path after a right-padded prefill, and is then ready: it leaves these
+caches for the running batch.
+"""
+
+import copy
+
+import mlx.core as mx
+
+from .hidden_states import capture_layer_outputs, concat_features
+
+
+class JoiningRows:
+    """Prompts being prefilled, by ticket, in the order they were added."""
+
+    def __init__(self, model, capture_layers: tuple, step_size: int = 2048):
+        self.model, self.capture_layers = model, capture_layers
+        self.step_size = step_size  # the widest chunk, whatever the budget (memory)
+        self.cache = None  # batch caches, one per layer; None while no row joins
+        self.tickets: list[int] = []
+        self.bodies: list[list[int]] = []  # per row: the tokens still to prefill
+        self.features: list[list] = []  # per row: its captured feature chunks so far
+
+    def __len__(self) -> int:
+        return len(self.tickets)
+
+    def add(self, tickets: list[int], bodies: list[list[int]], starts: list[list]) -> None:
+        """Rows to prefill `bodies` on top of `starts` (per row, its single-row caches)."""
+        cache = [type(cs[0]).merge(list(cs)) for cs in zip(*starts)]
+        if self.cache is None:
+            self.cache = cache
+        else:
+            for joining, new in zip(self.cache, cache):
+                joining.extend(new)
+        self.tickets += tickets
+        self.bodies += [list(b) for b in bodies]
+        self.features += [[] for _ in bodies]
+
+    def step(self, budget: int | None) -> tuple[list[int], list | None, list | None]:
+        """Prefill up to about `budget` tokens (None: every row to its end) in chunks; returns
+        the rows now ready, in the order they were added: their tickets, their batch caches
+        (None when none is ready) and their features (n_i, H*layers) (None without capture
+        layers); the rest stay."""
+        spent = 0
+        while any(self.bodies) and (budget is None or spent < budget):
+            spent += self._chunk(None if budget is None else budget - spent)
+        return self._split([i for i, body in enumerate(self.bodies) if not body])
+
+    def _chunk(self, budget: int | None) -> int:
+        """One pass over every row's next tokens, `budget` (None: all) shared between rows;
+        returns the tokens it ran, padding included."""
+        rows, longest = len(self.bodies), max(len(b) for b in self.bodies)
+        width = min(longest, self.step_size if budget is None else max(1, budget // rows))
+        lengths = [min(len(b), width) for b in self.bodies]
+        padding = [width - n for n in lengths]
+        if max(padding):
+            for c in self.cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([b[:n] + [0] * p for b, n, p in zip(self.bodies, lengths, padding)],
+                          dtype=mx.int32)
+        with capture_layer_outputs(self.model, self.capture_layers) as hidden:
+            self.model(tokens, cache=self.cache)
+        features = concat_features(hidden) if hidden else None
+        for c in self.cache:  # also clears the ArraysCache padding merge() sets
+            c.finalize()
+        mx.eval([c.state for c in self.cache] + ([features] if features is not None else []))
+        mx.clear_cache()
+        for i, n in enumerate(lengths):
+            self.bodies[i] = self.bodies[i][n:]
+            if features is not None:
+                self.features[i].append(features[i, :n])
+        return rows * width
+
+    def _split(self, ready: list[int]) -> tuple[list[int], list | None, list | None]:
+        if not ready:
+            return [], None, None
+        keep = [i for i in range(len(self.tickets)) if i not in set(ready)]
+        done = mx.array(ready, dtype=mx.int32)
+        cache = []
+        for c in self.cache:  # filter() rebinds its arrays: a shallow copy leaves c whole
+            part = copy.copy(c)
+            part.filter(done)
+            part.finalize()  # an ArraysCache merged from fresh ones still holds padding
+            cache.append(part)
+        tickets = [self.tickets[i] for i in ready]
+        features = [self._features(i) for i in ready] if self.capture_layers else None
+        if keep:
+            index = mx.array(keep, dtype=mx.int32)
+            for c in self.cache:
+                c.filter(index)
+        else:
+            self.cache = None
+        self.tickets = [self.tickets[i] for i in keep]
+        self.bodies = [self.bodies[i] for i in keep]
+        self.features = [self.features[i] for i in keep]
+        return tickets, cache, features
+
+    def _features(self, i: int) -> mx.array:
+        chunks = [f for f in self.features[i] if f.shape[0]]
+        return mx.concatenate(chunks, axis=0) if chunks else mx.zeros((0, 0))
+
+    def drop(self, ticket: int) -> None:
+        """A joining row leaves before it is ready (its client is gone)."""
+        i = self.tickets.index(ticket)
+        keep = [j for j in range(len(self.tickets)) if j != i]
+        if keep:
+            index = mx.array(keep, dtype=mx.int32)
+            for c in self.cache:
+                c.filter(index)
+        else:
+            self.cache = None
+        del self.tickets[i], self.bodies[i], self.features[i]
