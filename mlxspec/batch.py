@@ -3,13 +3,13 @@ loop (mlxspec.engine.Loop), verified together in one pass per step by a batched 
 with its own drafter state, K, sampling settings and stop."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .backends import backend_for
 from .backends.mlx.target import stage_of
 from .engine import Drafter, Loop, Row, SpecStats, draft_limit
-from .generate import _as_wrapper, check_request, encode_prompt
+from .generate import _as_wrapper, check_prompt_cache, check_request, encode_prompt
 from .generation_lock import clear_streams_at_thread_exit, generation_lock
 from .request import Request, check_count
 from .sampling import SamplingConfig
@@ -25,6 +25,7 @@ class BatchResponse:
     token_ids: list[list[int]]
     finish_reasons: list[str]
     stats: list[SpecStats]
+    cached_tokens: list[int] = field(default_factory=list)  # per prompt: from its prompt cache
     prompt_tokens: int = 0
     prompt_tps: float = 0.0
     generation_tokens: int = 0
@@ -37,6 +38,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
                    *, drafter=None, num_draft: int | None = None, adaptive: bool = True,
                    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                    seed: int | None = None, overlap: bool = True,
+                   prompt_caches: "Sequence | None" = None,
                    verbose: bool = False) -> BatchResponse:
     """Generate a continuation of every prompt (strings or token ids, used as given) together.
 
@@ -46,6 +48,9 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     one number or one per prompt; `drafter` (a Drafter or a name, as stream_generate's) is
     forked per row, each fork with its own state and adaptive K. `seed` seeds the one random
     stream the rows draw from (a row's draws depend on the others', unlike a lone generation's).
+    `prompt_caches`: one `PromptCache` (or None) per prompt, as stream_generate's: a row starts
+    from the longest prefix of its prompt its cache holds and prefills only the rest, and the
+    cache holds the row's prompt and reply afterwards (a conversation's next turn reuses it).
     """
     parts = backend_for(model)
     refusal = model_refusal(model)
@@ -58,6 +63,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     requests = [Request(n, sampling, num_draft=num_draft, adaptive=adaptive, overlap=overlap)
                 for n in budgets]
+    caches = _prompt_caches(parts, prompt_caches, len(prompts))
     tokenizer = _as_wrapper(tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     for tokens, request in zip(encoded, requests):
@@ -74,6 +80,10 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     loop = Loop(target, overlap=overlap)
     rows = [request_row(prototype, tokens, request, eos)
             for tokens, request in zip(encoded, requests)]
+    cached = [0] * len(rows)
+    for i, (row, cache) in enumerate(zip(rows, caches)):
+        if cache is not None and not prototype.capture_layers:  # stream_generate's rule
+            cached[i] = start_from(row, cache, model)
     for row in rows:
         loop.join(row)
 
@@ -87,7 +97,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
             outputs[id(row)].append(token)
         end = time.perf_counter()
     first = first or end
-    return _response(tokenizer, parts, model, prototype, rows, outputs, eos,
+    return _response(tokenizer, parts, model, prototype, rows, outputs, eos, cached,
                      prompt_tokens=sum(len(t) for t in encoded), prefill_seconds=first - start,
                      decode_seconds=end - first, verbose=verbose)
 
@@ -116,6 +126,32 @@ def request_row(drafter: Drafter, prompt: list[int], request: Request,
                stop_tokens, request.logprobs)
 
 
+def start_from(row: Row, cache, model) -> int:
+    """`row` starts from the longest prefix of its prompt `cache` (a KeptCache) holds, and
+    hands its caches back to it when it leaves; returns how many prompt tokens it skips."""
+    cache.check_model(model)
+    n = cache.shared(row.tokens)
+    row.start = (cache.prefix(n), n) if n else None
+
+    def keep(left) -> None:
+        cache.cache, _ = left
+        cache.remember(row.tokens)
+
+    row.on_leave = keep
+    return n
+
+
+def _prompt_caches(parts, caches, n: int) -> list:
+    if caches is None:
+        return [None] * n
+    caches = list(caches)
+    if len(caches) != n:
+        raise ValueError(f"prompt_caches has {len(caches)} caches for {n} prompts")
+    for cache in caches:
+        check_prompt_cache(parts, cache)
+    return caches
+
+
 def _budgets(max_tokens, n: int) -> list[int]:
     """max_tokens per prompt: one number for all, or a sequence of one per prompt."""
     if isinstance(max_tokens, Sequence):
@@ -129,8 +165,9 @@ def _budgets(max_tokens, n: int) -> list[int]:
     return budgets
 
 
-def _response(tokenizer, parts, model, prototype, rows, outputs, eos, *, prompt_tokens: int,
-              prefill_seconds: float, decode_seconds: float, verbose: bool) -> BatchResponse:
+def _response(tokenizer, parts, model, prototype, rows, outputs, eos, cached, *,
+              prompt_tokens: int, prefill_seconds: float, decode_seconds: float,
+              verbose: bool) -> BatchResponse:
     texts, ids, reasons = [], [], []
     for i, row in enumerate(rows):
         tokens = outputs[id(row)]
@@ -144,7 +181,7 @@ def _response(tokenizer, parts, model, prototype, rows, outputs, eos, *, prompt_
     generated = sum(len(t) for t in ids)
     return BatchResponse(
         texts=texts, token_ids=ids, finish_reasons=reasons, stats=[row.stats for row in rows],
-        prompt_tokens=prompt_tokens,
+        cached_tokens=cached, prompt_tokens=prompt_tokens,
         prompt_tps=prompt_tokens / prefill_seconds if prefill_seconds > 0 else 0.0,
         generation_tokens=generated,
         generation_tps=generated / decode_seconds if decode_seconds > 0 else 0.0,

@@ -39,6 +39,19 @@ class KeptCache:
 
     def _cut(self, n: int) -> None: ...
 
+    def shared(self, prompt: Sequence[int]) -> int:
+        """How many of `prompt`'s tokens (never the last) this cache could start it with,
+        left as it is (see `prefix`)."""
+        if self.cache is None:
+            return 0
+        keep = common_prefix_length(self.tokens, prompt[:-1])
+        return keep if keep == len(self.tokens) or self._can_cut() else 0
+
+    def prefix(self, n: int):
+        """Caches holding this one's first n positions, without cutting or copying this one
+        (its arrays shared): a start for a row of a batch, which copies what it reads."""
+        raise NotImplementedError
+
     def take(self, model, prompt: Sequence[int]):
         """The cache cut back to the longest prefix it shares with `prompt` (never all of it: the
         last prompt token is the loop's pending token)."""

@@ -160,6 +160,82 @@ def test_rows_join_and_leave_between_steps():
             assert got == plain[i], i
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_long_prompts_join_in_chunks_and_rows_start_from_kept_caches(kind):
+    """Joining rows are prefilled a few tokens per step while the others keep generating
+    (a long prompt does not stall them), one cancelled while still prefilling; a row that
+    leaves hands its caches over (on_leave), and a row started from them (Row.start: the
+    conversation's next turn) prefills only its new tokens: every row's tokens equal its
+    prompt's alone."""
+    model = TARGETS[kind]()
+    tokenizer = tiny_tokenizer(VOCAB)
+    rng = random.Random(3)
+    long = [rng.randrange(1, VOCAB) for _ in range(40)]
+    prompts = PROMPTS[:2] + [long, long[:9]]
+    plain = alone(model, tokenizer, prompts, [16] * len(prompts))
+    full = {tuple(p): p + out for p, out in zip(prompts, plain)}
+    loop = Loop(MLXBatchTarget(model), prefill_chunk=6)
+    eos = frozenset(tokenizer.eos_token_ids)
+    rows = [Row(Planted(full, seed=i).fork(), list(p), GREEDY, 16, 4, stop_tokens=eos)
+            for i, p in enumerate(prompts)]
+    kept = []
+    rows[2].on_leave = kept.append
+    outputs = {id(r): [] for r in rows}
+    for row in rows[:2]:
+        loop.join(row)
+    order = []
+    for row, token, _ in loop:
+        outputs[id(row)].append(token)
+        order.append(rows.index(row))
+        if len(order) == 3:
+            loop.join(rows[2])
+            loop.join(rows[3])
+        if len(order) == 5:
+            loop.cancel(rows[3])  # still prefilling: 40 + 9 tokens at 6 a step
+    first_long = order.index(2)
+    assert first_long - 3 >= 4 and set(order[3:first_long]) <= {0, 1}  # they ran meanwhile
+    assert not outputs[id(rows[3])]
+    for i in (0, 1, 2):
+        assert [t for t in outputs[id(rows[i])] if t not in eos] == plain[i], i
+
+    (caches, held), = kept
+    assert held == len(rows[2].tokens) - 1
+    turn = rows[2].tokens[:held] + [7, 8, 9]
+    want, = alone(model, tokenizer, [turn], [12])
+    full[tuple(turn)] = turn + want
+    row = Row(Planted(full).fork(), list(turn), GREEDY, 12, 4, stop_tokens=eos,
+              start=(caches, held))
+    joining, bodies = loop.target._joining, []
+    add = joining.add
+    joining.add = lambda tickets, new, starts: (bodies.extend(new), add(tickets, new, starts))
+    loop.join(row)
+    assert [t for _, t, _ in loop if t not in eos] == want
+    assert bodies == [[7, 8]]  # only the new tokens but the pending one were prefilled
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_batch_generate_keeps_a_prompt_cache_per_prompt(kind, tokenizer):
+    """prompt_caches, one per prompt as stream_generate's prompt_cache: each conversation's
+    next turn starts from what its cache holds (the last turn's prompt and reply), prefills
+    only its new tokens, and gets the same tokens as the turn generated alone."""
+    model = TARGETS[kind]()
+    caches = [mlxspec.PromptCache() for _ in range(3)]
+    first = mlxspec.batch_generate(model, tokenizer, PROMPTS[:3], 8, prompt_caches=caches)
+    assert first.cached_tokens == [0, 0, 0]
+    turns = [p + out + [11, 12] for p, out in zip(PROMPTS[:3], first.token_ids)]
+    want = alone(model, tokenizer, turns, [8] * 3)
+    caches[1] = None  # a prompt without a cache among others with one
+    second = mlxspec.batch_generate(model, tokenizer, turns, 8, prompt_caches=caches)
+    assert second.token_ids == want
+    for i, (cache, turn, out) in enumerate(zip(caches, turns, first.token_ids)):
+        if cache is not None:
+            assert second.cached_tokens[i] >= len(PROMPTS[i]) + len(out) - 1
+            assert cache.tokens == (turn + second.token_ids[i])[: len(cache.tokens)]
+    assert second.cached_tokens[1] == 0
+    with pytest.raises(ValueError, match="2 caches for 3 prompts"):
+        mlxspec.batch_generate(model, tokenizer, turns, 8, prompt_caches=caches[:2])
+
+
 def test_a_batch_of_one_is_the_single_sequence_path(tokenizer):
     """One prompt through batch_generate equals stream_generate, statistics included."""
     model = tiny_llama(vocab=VOCAB, sharpness=4.0)

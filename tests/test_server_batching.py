@@ -155,7 +155,6 @@ def same_reply(got: dict, want: dict) -> None:
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert got["usage"][key] == want["usage"][key]
         assert got["usage"]["mlxspec"]["drafter"] == want["usage"]["mlxspec"]["drafter"]
-        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert rounded(got["logprobs"]) == rounded(want["logprobs"])
 
 
@@ -260,6 +259,31 @@ def test_a_seeded_request_runs_alone_and_repeats_its_text(servers):
         assert alone_rows == [1] and max(seen) >= 2  # it ran alone, others together
     sampled = {**seeded, "seed": None}
     assert len({ask(batched, sampled)["text"] for _ in range(3)}) > 1  # it does sample
+
+
+def test_prompt_caches_are_kept_per_request(servers):
+    """A row keeps its caches when it leaves: the same prompt again, and the conversation's
+    next turn, prefill only what no kept cache holds, while other rows run beside them, and
+    get the one-at-a-time server's replies."""
+    (batched, server), (alone, _) = servers
+    user = {"role": "user", "content": prompt(11) + " t3 t9"}
+    first = {"messages": [user], "max_tokens": 12, "temperature": 0}
+    want = ask(alone, first)
+    same_reply(ask(batched, first), want)
+    again = ask(batched, first)
+    same_reply(again, want)
+    prompt_tokens = want["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1
+    turn = {"messages": [user, {"role": "assistant", "content": want["text"]},
+                         {"role": "user", "content": prompt(12)}],
+            "max_tokens": 10, "temperature": 0}
+    others = [{**b, "temperature": 0} for b in BODIES[:3]]
+    want_turn, want_others = ask(alone, turn), [ask(alone, b) for b in others]
+    got = together(batched, server, [turn] + others)
+    for g, w in zip(got, [want_turn] + want_others):
+        same_reply(g, w)
+    assert got[0]["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens
+    assert server.worker.caches.held_tokens() > 0
 
 
 def test_metrics_and_health_show_the_batch(servers):

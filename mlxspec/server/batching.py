@@ -7,10 +7,15 @@ disconnect, while the other rows run on. Each row has its own drafter fork, deto
 Answer, so each request gets the Deltas and Outcome the one-at-a-time Worker would give it
 (greedy: the same text).
 
-Two things do not carry over from the Worker. Rows draw from one shared random stream, so a
-request with a seed runs as a batch of its own: it waits for the running rows to finish, no row
-joins it, and batching resumes after it. And prompt caches are not kept between requests
-(cached_tokens is 0): a row's cache lives in the batch's caches and leaves with it.
+Prompt caches are kept as the Worker keeps them, in a pool of the same bound: a request starts
+from a copy of the longest prefix of its prompt any kept cache holds (its conversation's last
+turn, a shared system prompt), so only the rest is prefilled, and its row's caches are kept when
+it leaves. A row whose drafter reads the prompt's features (DFlash, EAGLE-3) starts afresh, as
+in the Worker.
+
+One thing does not carry over: rows draw from one shared random stream, so a request with a
+seed runs as a batch of its own: it waits for the running rows to finish, no row joins it, and
+batching resumes after it.
 """
 
 import time
@@ -43,8 +48,8 @@ class RowReply:
     and an Outcome exactly as in Worker._generate."""
 
     def __init__(self, job: Job, row: Row, tokenizer, eos: frozenset, num_draft: int,
-                 peak_memory_gb):
-        self.job, self.row, self.eos = job, row, eos
+                 peak_memory_gb, cached: int = 0):
+        self.job, self.row, self.eos, self.cached = job, row, eos, cached
         self.answer = Answer(job.request, tokenizer)
         self.detokenizer = tokenizer.detokenizer
         session = Session(row.drafter, num_draft, row.max_k, target=None, kept=None)
@@ -98,7 +103,7 @@ class RowReply:
         elapsed = time.perf_counter() - self.start - (self.first or 0.0)
         return Outcome(
             finish_reason=self.finish, prompt_tokens=len(self.job.request.prompt),
-            cached_tokens=0, completion_tokens=self.produced,
+            cached_tokens=self.cached, completion_tokens=self.produced,
             drafter=last.drafter if last else self.row.drafter.name,
             target_passes=last.target_passes if last else 0,
             drafted=last.drafted if last else 0, accepted=last.accepted if last else 0,
@@ -113,10 +118,12 @@ class BatchWorker(Worker):
     Where rows cannot share a pass (see batch_refusal, or a model its batch target refuses) it
     serves one request at a time as the Worker does, and `refusal` says why."""
 
-    def __init__(self, *args, max_batch: int = 8, **kwargs):
+    def __init__(self, *args, max_batch: int = 8, cache_slots: int = 4, **kwargs):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch, self.refusal = max_batch, None
+        # as many kept caches as rows, at least: every row's conversation may come back
+        kwargs["cache_slots"] = max(cache_slots, max_batch) if cache_slots else 0
         self.replies: dict[Row, RowReply] = {}  # the requests generating now, by their row
         self._held = None  # a seeded job taken from the FIFO, waiting for the batch to empty
         self._solo = False  # a seeded job runs: no other joins it
@@ -216,15 +223,31 @@ class BatchWorker(Worker):
         request, generation = job.request, job.request.generation
         try:
             check_request(self.parts, self.model, request.prompt, generation.max_tokens)
-            row = request_row(self.drafter_for(request), request.prompt, generation, self.eos)
+            drafter = self.drafter_for(request)
+            row = request_row(drafter, request.prompt, generation, self.eos)
+            cached = 0
+            if self.caches is not None and not drafter.capture_layers:  # the Worker's rule
+                kept, cached = self.caches.longest(request.prompt)
+                row.start = (kept.prefix(cached), cached) if cached else None
+                row.on_leave = lambda left, row=row: self._keep(row, *left)
             num_draft = generation.num_draft or row.drafter.default_num_draft
             reply = RowReply(job, row, self.tokenizer, self.eos, num_draft,
-                             lambda: self.parts.peak_memory_gb(self.model))
+                             lambda: self.parts.peak_memory_gb(self.model), cached)
         except Exception as err:  # noqa: BLE001  (this request's failure only)
             job.emit("error", f"{type(err).__name__}: {err}")
             return
         self.replies[row] = reply
         self.loop.join(row)
+
+    def _keep(self, row: Row, caches: list, held: int | None) -> None:
+        """A leaving row's caches (copied out of the batch) kept for its conversation's next
+        turn: as a generation's are remembered, cut back to the tokens it committed."""
+        kept = self.parts.prompt_cache()
+        kept.check_model(self.model)
+        kept.cache = caches
+        kept.remember(row.tokens)
+        if kept.tokens:
+            self.caches.keep(kept)
 
     def _event(self, row: Row, token: int, from_draft: bool, scores: list) -> None:
         reply = self.replies.get(row)

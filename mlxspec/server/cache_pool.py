@@ -3,8 +3,9 @@ new tokens.
 
 A few kept caches (mlxspec.prompt_cache.KeptCache, the one `chat` keeps between turns), least
 recently used evicted: a request takes the cache that shares the longest prefix with its prompt
-(its conversation's), or a fresh one. Memory is bounded by the number of caches and by the
-tokens they hold together; over either, the least recently used go first.
+(its conversation's), or a fresh one; a row of a batch starts from a copy of the longest
+prefix any cache holds, and its own cache is kept when it ends. Memory is bounded by the number
+of caches and by the tokens they hold together; over either, the least recently used go first.
 """
 
 from typing import Callable, Sequence
@@ -33,6 +34,28 @@ class PromptCachePool:
         self.caches.append(best)
         self._bound()
         return best
+
+    def longest(self, prompt: Sequence[int]) -> tuple[KeptCache | None, int]:
+        """The cache that can start `prompt` with the most of its tokens, and how many,
+        leaving every cache as it is (rows of a batch start from copies: see KeptCache.prefix);
+        it becomes the most recently used."""
+        best, shared = None, 0
+        for cache in self.caches:
+            n = cache.shared(prompt)
+            if n > shared:
+                best, shared = cache, n
+        if best is not None:
+            self.caches.remove(best)
+            self.caches.append(best)
+        return best, shared
+
+    def keep(self, cache: KeptCache) -> None:
+        """A finished row's cache joins the pool as the most recently used; any it extends
+        (the turn it continued, a prompt it repeated) goes."""
+        self.caches = [c for c in self.caches
+                       if common_prefix_length(c.tokens, cache.tokens) < len(c.tokens)]
+        self.caches.append(cache)
+        self._bound()
 
     def _bound(self) -> None:
         while len(self.caches) > self.slots or (

@@ -3,7 +3,7 @@
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
@@ -383,3 +383,15 @@ class PromptCache(KeptCache):
     def _cut(self, n: int) -> None:
         for c in self.cache:
             c.trim(n)
+
+    def prefix(self, n: int) -> list:
+        if n == len(self.tokens):
+            return self.cache
+        views = []
+        for c in self.cache:  # cut short only where shared() found every layer trimmable
+            if type(c) is not KVCache:
+                raise ValueError(f"a {type(c).__name__} cannot lend a shorter prefix")
+            view = KVCache()
+            view.keys, view.values, view.offset = c.keys, c.values, n
+            views.append(view)
+        return views
