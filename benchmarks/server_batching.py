@@ -24,9 +24,15 @@ tokens / wall time; latency and time to first token p50 and p95 over requests (q
 included); "same text": replies equal to the first reply this server gave the same prompt in
 this workload (greedy: batching must not change a reply; the first is the 1-client one for the
 prompts level 1 asks), out of the replies that had one to compare with; prompt tokens the
-server reported as cached (a prompt asked again can hit a server's prompt cache). Each
-server's first replies are kept as hashes, so servers can be compared with each other. One run;
-the JSON is rewritten after every workload of every server.
+server reported as cached (a prompt asked again can hit a server's prompt cache: mlx_lm's
+does; --distinct with --limit 62 asks every prompt once). Each server's first replies are kept
+as hashes, so servers can be compared with each other. One run; the JSON is rewritten after
+every workload of every server.
+
+Time: level 16 alone (32 requests) took 100 s (chat) + 121 s (copy) for mlxspec-none and
+63 + 106 s for mlx_lm on the 2-core machine under other load (load average 4.5); levels 1-8
+add about 1.8x that, so all five servers at the defaults are an estimated 30 min on an idle
+machine and about twice that under such load; --per-client 1 about halves it.
 
     .venv/bin/python benchmarks/server_batching.py --out docs/results/server-batching-cpu.json
     .venv/bin/python benchmarks/server_batching.py --servers mlxspec-none,mlx_lm \\
@@ -194,13 +200,14 @@ def digest(text: str) -> str:
 
 
 def load(api, server: Server, texts: list[str], max_tokens: int, clients: int, per_client: int,
-         stream: bool, first: dict) -> dict:
-    """C closed-loop clients; `first` maps a prompt's index to its first reply's hash."""
+         stream: bool, first: dict, offset: int = 0) -> dict:
+    """C closed-loop clients; request k asks prompt offset + k (mod the prompts); `first` maps
+    a prompt's index to its first reply's hash."""
     replies, errors, lock = [], [], threading.Lock()
 
     def run(i):
         for j in range(per_client):
-            index = (i * per_client + j) % len(texts)
+            index = (offset + i * per_client + j) % len(texts)
             try:
                 reply = ask(api, server, texts[index], max_tokens, stream)
             except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
@@ -260,6 +267,9 @@ def main():
                         help="per request (default: chat 64, copy 128)")
     parser.add_argument("--max-batch", type=int, default=16,
                         help="mlxspec --max-batch and mlx-vlm --max-num-seqs")
+    parser.add_argument("--distinct", action="store_true",
+                        help="no prompt asked twice in a workload while --limit lasts (no "
+                        "prompt-cache hits; same text is then checked across servers only)")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="plain replies (no time to first token)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request")
@@ -319,8 +329,11 @@ def main():
             for workload in workloads:
                 first: dict = {}
                 started = time.perf_counter()
+                offsets = [args.per_client * sum(levels[:n]) if args.distinct else 0
+                           for n in range(len(levels))]
                 loads = [load(api, server, texts[workload], tokens[workload], c,
-                              args.per_client, args.stream, first) for c in levels]
+                              args.per_client, args.stream, first, offset)
+                         for c, offset in zip(levels, offsets)]
                 entry["workloads"][workload] = {
                     "loads": loads, "seconds": time.perf_counter() - started,
                     "replies": {str(i): first[i] for i in sorted(first)}}
