@@ -4,6 +4,8 @@ a + b·positions + d·drafting rows."""
 
 import pytest
 
+from mlxspec.engine import Draft, Drafter, Loop, Row
+from mlxspec.sampling import SamplingConfig
 from mlxspec.verify_budget import VerifyBudget
 
 
@@ -94,3 +96,46 @@ def test_a_step_is_queued_plain_ahead_only_when_no_probe_is_due():
     assert [budget.plain_ahead(useless, [8] * 4) for _ in range(15)] == [True] * 14 + [False]
     assert budget.width(useless, [8] * 4) == 1  # the probe the queued step left for it
     assert not budget.plain_ahead([[0.95] * 8] * 4, [8] * 4)
+
+
+# ------------------------------------------------------------------ what the loop records
+
+
+class _Steps:
+    """A pass read: its rows' drafts."""
+
+    def __init__(self, num_drafts):
+        self.num_drafts = num_drafts
+
+
+def _loop_with_rows(n: int) -> Loop:
+    loop = Loop(target=None)
+    loop.rows = [Row(Drafter(), [1], SamplingConfig(), 8, 4) for _ in range(n)]
+    loop.budget = VerifyBudget(4)
+    return loop
+
+
+def test_plain_passes_queued_ahead_are_timed_as_one_chain():
+    """A read whose interval held the next pass's launch (queued ahead) waits for the chain to
+    end: its passes share the chain's seconds, so one pass timed twice and one timed as nothing
+    record their mean."""
+    loop = _loop_with_rows(4)
+    loop.step = _Steps([0, 0, 0, 0])
+    loop._time_step(0.40, chained=True)
+    loop._time_step(0.20, chained=True)
+    assert loop.budget.seconds == {}
+    loop._time_step(0.00, chained=False)
+    assert loop.budget.seconds == {(4, 0): pytest.approx(0.20)}
+    loop.step = _Steps([3, 0, 1, 0])  # drafted: read alone, two rows drafting, width 4
+    loop._time_step(0.50, chained=False)
+    assert loop.budget.seconds[(16, 2)] == pytest.approx(0.50)
+
+
+def test_draft_prefix_keeps_the_first_drafts_and_their_probabilities():
+    import mlx.core as mx
+
+    draft = Draft(tokens=[5, 6, 7], probs=mx.eye(4)[:3])
+    short = draft.prefix(2)
+    assert short.tokens == [5, 6] and short.probs.shape == (2, 4)
+    assert draft.prefix(3) is draft and draft.prefix(9) is draft
+    assert len(Draft(tokens=mx.array([1, 2, 3])).prefix(1)) == 1
