@@ -7,9 +7,12 @@ template, `--max-tokens` greedy tokens each) in batches of B; decode tok/s = a b
 generated tokens / its seconds from the first token on (prefill, the same work for every
 configuration, apart: on a 2-core CPU it would dominate), summed over batches. Every
 configuration's outputs are checked equal to plain decoding's (lossless), so a speed-up never
-comes from a different text.
+comes from a different text. `--workload copy` asks instead for HumanEval solutions rewritten
+with one rename (mlxspec.prompts.copy_prompts): most of each answer repeats its prompt.
 
     .venv/bin/python benchmarks/batch_speed.py --out docs/results/batch-speed-cpu.json
+    .venv/bin/python benchmarks/batch_speed.py --workload copy --max-tokens 160 \
+        --out docs/results/batch-speed-copy-cpu.json
 """
 
 import argparse
@@ -19,7 +22,7 @@ import mlxspec  # first: it loads OpenBLAS before mlx.core would load its slow b
 
 import mlx.core as mx  # noqa: E402
 from mlxspec.bench import chat_prompt
-from mlxspec.prompts import humaneval_prompts, mtbench_prompts
+from mlxspec.prompts import copy_prompts, humaneval_prompts, mtbench_prompts
 
 
 def run_ours(model, tokenizer, prompts, batch, max_tokens, drafter):
@@ -51,11 +54,17 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--drafters", default="none,lookup,dflash")
+    parser.add_argument("--workload", choices=("chat", "copy"), default="chat")
+    parser.add_argument("--no-mlx-lm", action="store_true", help="ours only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     model, tokenizer = mlxspec.load()
-    texts = humaneval_prompts(args.prompts // 2) + mtbench_prompts(args.prompts - args.prompts // 2)
+    if args.workload == "copy":
+        texts = copy_prompts(args.prompts)
+    else:
+        half = args.prompts // 2
+        texts = humaneval_prompts(half) + mtbench_prompts(args.prompts - half)
     prompts = [chat_prompt(tokenizer, t) for t in texts]
     drafters = {name: None if name == "none" else
                 mlxspec.load_drafter(name, model=model, tokenizer=tokenizer)
@@ -72,6 +81,8 @@ def main():
                        vs_plain=tps / plain, lossless=ids == reference)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if args.no_mlx_lm:
+            continue
         ids, tps = run_mlx_lm(model, tokenizer, prompts, batch, args.max_tokens)
         row = dict(batch=batch, runtime="mlx-lm", drafter="none", tok_s=tps, vs_plain=tps / plain,
                    same_text=[i[: len(r)] == r[: len(i)] for i, r in zip(ids, reference)].count(True))
@@ -79,7 +90,7 @@ def main():
         print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(blas=mlxspec.blas_in_use(), prompts=len(prompts),
+            json.dump(dict(blas=mlxspec.blas_in_use(), workload=args.workload, prompts=len(prompts),
                            max_tokens=args.max_tokens, rows=rows), f, indent=1)
 
 
