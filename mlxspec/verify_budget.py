@@ -45,16 +45,21 @@ class VerifyBudget:
 
     def cost(self) -> tuple[float, float, float]:
         """(a, b, d): a step verifying P positions with D drafting rows costs a + b·P + d·D
-        seconds. Fitted to the measured steps once plain and drafted steps, and two sizes of
-        either, are known; before that a line through positions alone (d = 0), or with one
-        step size known, that point and a prior slope."""
+        seconds. Fitted to the measured steps once plain and drafted steps, and three kinds of
+        step, are known. Before that: with plain and drafted steps, a and b from the plain
+        ones (one size: the prior slope) and d what the drafted ones cost beyond, so a probe's
+        cost is the one measured; with one kind only, a line through positions (d = 0)."""
         points = [(p, d, y) for (p, d), y in self.seconds.items()]
         fitted = _fit_plane(points)
-        if fitted is None:
+        if fitted is not None:
+            a, b, d = fitted
+        elif any(z == 0 for _, z, _ in points) and any(z > 0 for _, z, _ in points):
+            a, b = _fit_line([(p, y) for p, z, y in points if z == 0], self.prior_token_cost)
+            drafted = [(y - a - max(b, 0.0) * p) / z for p, z, y in points if z > 0]
+            d = sum(drafted) / len(drafted)
+        else:
             a, b = _fit_line([(p, y) for p, _, y in points], self.prior_token_cost)
             d = 0.0
-        else:
-            a, b, d = fitted
         return a, max(b, self.min_token_cost * a), max(d, 0.0)
 
     def best(self, acceptance: list[list[float]], caps: list[int]) -> int:

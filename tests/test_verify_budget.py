@@ -41,6 +41,17 @@ def test_before_plain_and_drafted_steps_are_both_measured_the_cost_is_a_line():
     assert VerifyBudget(8).cost() == (1.0, 0.1, 0.0)
 
 
+def test_one_plain_and_one_drafted_size_charge_the_difference_to_drafting():
+    """Plain steps of 8 rows (18 ms) and width-2 steps with every row drafting (58 ms): a and
+    b from the plain step and the prior slope (a position 10% of a), d the rest per drafting
+    row, so the modelled width-2 step is the one measured."""
+    budget = measured(0.010, 0.001, 0.004, [(8, 1, 0), (8, 2, 8)])
+    a, b, d = budget.cost()
+    assert (a, b) == pytest.approx((0.018 / 1.8, 0.001))
+    assert d == pytest.approx((0.058 - 0.010 - 0.016) / 8)
+    assert budget.step_seconds(8, 1, 8) == pytest.approx(0.058)
+
+
 def test_timing_noise_never_makes_verifying_free():
     """A fitted slope of 0 (noise) still charges each position 3% of the fixed part."""
     budget = VerifyBudget(8)
