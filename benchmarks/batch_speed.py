@@ -5,7 +5,9 @@ on the same model object, greedy), one run.
 Each configuration generates the same prompts (HumanEval and MT-Bench first turns in the chat
 template, `--max-tokens` greedy tokens each) in batches of B; decode tok/s = a batch's
 generated tokens / its seconds from the first token on (prefill, the same work for every
-configuration, apart: on a 2-core CPU it would dominate), summed over batches. Every
+configuration, apart: on a 2-core CPU it would dominate), summed over batches. The drafters
+take turns on each batch (`--repeat` turns each), so load from other work on a shared machine
+falls on all of them alike and their ratios to plain decoding hold. Every
 configuration's outputs are checked equal to plain decoding's (lossless), so a speed-up never
 comes from a different text. `--workload copy` asks instead for HumanEval solutions rewritten
 with one rename (mlxspec.prompts.copy_prompts): most of each answer repeats its prompt.
@@ -25,14 +27,24 @@ from mlxspec.bench import chat_prompt
 from mlxspec.prompts import copy_prompts, humaneval_prompts, mtbench_prompts
 
 
-def run_ours(model, tokenizer, prompts, batch, max_tokens, drafter):
-    texts, seconds = [], 0.0
+def run_ours(model, tokenizer, prompts, batch, max_tokens, drafters, repeat=1):
+    """{drafter name: (token ids, decode tok/s)}: every batch of prompts run by each drafter
+    in turn (`repeat` times), so a machine shared with other work slows every configuration
+    alike, and the ratios between them hold."""
+    texts = {name: [] for name in drafters}
+    seconds = dict.fromkeys(drafters, 0.0)
+    generated = dict.fromkeys(drafters, 0)
     for i in range(0, len(prompts), batch):
-        out = mlxspec.batch_generate(model, tokenizer, prompts[i : i + batch], max_tokens,
-                                     drafter=drafter)
-        texts += out.token_ids
-        seconds += out.generation_tokens / out.generation_tps
-    return texts, sum(map(len, texts)) / seconds
+        for turn in range(repeat):
+            for name, drafter in drafters.items():
+                mx.random.seed(0)
+                out = mlxspec.batch_generate(model, tokenizer, prompts[i : i + batch],
+                                             max_tokens, drafter=drafter)
+                if turn == 0:
+                    texts[name] += out.token_ids
+                seconds[name] += out.generation_tokens / out.generation_tps
+                generated[name] += out.generation_tokens
+    return {name: (texts[name], generated[name] / seconds[name]) for name in drafters}
 
 
 def run_mlx_lm(model, tokenizer, prompts, batch, max_tokens):
@@ -56,6 +68,7 @@ def main():
     parser.add_argument("--drafters", default="none,lookup,dflash")
     parser.add_argument("--workload", choices=("chat", "copy"), default="chat")
     parser.add_argument("--no-mlx-lm", action="store_true", help="ours only")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each batch per drafter")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -72,9 +85,9 @@ def main():
     rows = []
     for batch in map(int, args.batches.split(",")):
         reference, plain = None, None
-        for name, drafter in drafters.items():
-            mx.random.seed(0)
-            ids, tps = run_ours(model, tokenizer, prompts, batch, args.max_tokens, drafter)
+        results = run_ours(model, tokenizer, prompts, batch, args.max_tokens, drafters,
+                           args.repeat)
+        for name, (ids, tps) in results.items():
             reference = reference or ids
             plain = plain or tps
             row = dict(batch=batch, runtime="mlxspec", drafter=name, tok_s=tps,
@@ -91,7 +104,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(blas=mlxspec.blas_in_use(), workload=args.workload, prompts=len(prompts),
-                           max_tokens=args.max_tokens, rows=rows), f, indent=1)
+                           max_tokens=args.max_tokens, repeat=args.repeat, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":
