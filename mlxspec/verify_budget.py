@@ -32,6 +32,7 @@ class VerifyBudget:
         # (positions in a pass = rows x width, rows that drafted) -> running mean of seconds
         self.seconds: dict[tuple[int, int], float] = {}
         self.idle_steps = 0
+        self.first = True  # the batch's first step is plain: what every width is compared with
 
     def record(self, tokens: int, seconds: float, drafting: int = 0) -> None:
         """A step that verified `tokens` positions (rows x width, padding included), `drafting`
@@ -76,6 +77,9 @@ class VerifyBudget:
         rates = self._rates(acceptance, caps)
         if len(rates) < 2:
             return 0  # no row can draft: nothing to choose
+        if self.first and not self.seconds:
+            self.first = False
+            return 0
         k = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if k:
             self.idle_steps = 0
@@ -90,6 +94,8 @@ class VerifyBudget:
     def plain_ahead(self, acceptance: list[list[float]], caps: list[int]) -> bool:
         """Whether the next step is plain whatever drafts the rows find (each drafts at most
         caps[i]), so it may be queued before they are known: then it counts as a plain step."""
+        if self.first and not self.seconds:
+            return False  # the first step is chosen (plain) when it is launched
         if self.best(acceptance, caps) or self.idle_steps + 1 >= self.probe_every and \
                 self._probe_loss(acceptance, caps) <= self.probe_share * (self.idle_steps + 1):
             return False
