@@ -7,7 +7,9 @@ d per drafting row, whatever the width. A row's own adaptive K would draft as if
 drafts cost what they cost alone, and a batch of rows each drafting a little pays for the
 widest. So the loop asks one question per step: which width S (1 = plain batched decoding)
 gives the most committed tokens per second, with each row's expected tokens at that width from
-its own live acceptance per position (its AdaptiveDraftLength's estimates) and the cost from
+its drafter's live acceptance per position, learnt from every row's steps (`observe`: a new
+batch leaves its prior in a step or two, not a row's own dozen), capped by what the row may
+draft or (prompt lookup) found, and the cost from
 a + b·positions + d·drafting rows fitted to the batch's measured steps. Plain decoding is one
 of the choices and the model is measured, so speculation stops where it would make the batch
 slower than plain batched decoding. While plain wins, one width-2 step is still tried now and
@@ -19,7 +21,7 @@ to lose `1 / probe_share` times over (a probe that costs a third of a step waits
 
 class VerifyBudget:
     """The batch's pass width each step, from measured (positions, drafting rows, seconds)
-    steps and each row's acceptance estimates."""
+    steps and the rows' acceptance estimates."""
 
     def __init__(self, max_k: int, probe_every: int = 8, prior_token_cost: float = 0.1,
                  min_token_cost: float = 0.03, decay: float = 0.7, probe_share: float = 0.02):
@@ -33,6 +35,22 @@ class VerifyBudget:
         self.seconds: dict[tuple[int, int], float] = {}
         self.idle_steps = 0
         self.first = True  # the batch's first step is plain: what every width is compared with
+        # Per drafter: P(draft j accepted | draft j-1 accepted), learnt from every row's steps
+        # (a row's own estimate learns only from its own, and a new batch of 8 rows would pay
+        # 8 rows' worth of drafted steps to leave its prior).
+        self.pooled: dict[str, list[float]] = {}
+
+    def acceptance(self, drafter: str) -> list[float]:
+        """The batch's estimate per draft position for rows of `drafter`."""
+        return self.pooled.setdefault(drafter, [0.6] * self.max_k)
+
+    def observe(self, drafter: str, drafted: int, accepted: int) -> None:
+        """A row of `drafter` had `accepted` of its `drafted` drafts accepted (as
+        AdaptiveDraftLength.update: a position counts only if every one before it was)."""
+        conditional = self.acceptance(drafter)
+        for i in range(min(drafted, accepted + 1, len(conditional))):
+            hit = 1.0 if i < accepted else 0.0
+            conditional[i] = self.decay * conditional[i] + (1 - self.decay) * hit
 
     def record(self, tokens: int, seconds: float, drafting: int = 0) -> None:
         """A step that verified `tokens` positions (rows x width, padding included), `drafting`

@@ -118,6 +118,18 @@ def test_a_step_is_queued_plain_ahead_only_when_no_probe_is_due():
     assert not budget.plain_ahead([[0.95] * 8] * 4, [8] * 4)
 
 
+def test_acceptance_is_learnt_per_drafter_from_every_rows_steps():
+    """Six rows' rejected first drafts in one step bring the batch's estimate from its prior
+    0.6 to 0.6 x 0.7^6; later positions, never reached, keep it; another drafter's is apart."""
+    budget = VerifyBudget(4)
+    for _ in range(6):
+        budget.observe("lookup", 3, 0)
+    budget.observe("lookup", 0, 0)  # found nothing: no position reached
+    assert budget.acceptance("lookup") == pytest.approx([0.6 * 0.7 ** 6, 0.6, 0.6, 0.6])
+    budget.observe("dflash", 2, 2)
+    assert budget.acceptance("dflash") == pytest.approx([0.72, 0.72, 0.6, 0.6])
+
+
 # ------------------------------------------------------------------ what the loop records
 
 
