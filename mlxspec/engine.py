@@ -588,7 +588,8 @@ class Loop:
         if caps:  # free drafts first: the batch's width follows what they found
             found = {row: self._propose(row, cap) for row, cap in caps.items()
                      if row.drafter.free_drafts}
-            width = self.budget.width([self.budget.acceptance(row.drafter.name) for row in caps],
+            width = self.budget.width([self.budget.acceptance(row, row.drafter.name)
+                                       for row in caps],
                                       [len(found[row]) if row in found else cap
                                        for row, cap in caps.items()])
             found = {row: draft.prefix(width) for row, draft in found.items()}
@@ -616,7 +617,7 @@ class Loop:
                                         row.max_k) for row in shared}
             if self.budget is None:
                 self.budget = VerifyBudget(max(row.max_k for row in self.rows))
-            acceptance = [self.budget.acceptance(row.drafter.name) for row in shared]
+            acceptance = [self.budget.acceptance(row, row.drafter.name) for row in shared]
             if any(row.drafter.free_drafts for row in shared):
                 if ahead:  # only a step that stays plain whatever they find is queued ahead
                     if not self.budget.plain_ahead(acceptance, list(caps.values())):
@@ -715,7 +716,8 @@ class Loop:
         if row.policy:
             row.policy.update(len(verdict.draft_tokens), verdict.accepted, now - row.clock)
         if self.budget is not None and isinstance(row.policy, AdaptiveDraftLength):
-            self.budget.observe(row.drafter.name, len(verdict.draft_tokens), verdict.accepted)
+            self.budget.observe(row, row.drafter.name, len(verdict.draft_tokens),
+                                verdict.accepted)
         row.produced, row.clock = row.produced + len(new), now
         row.finished = stop is not None or row.produced >= row.max_tokens
         if row.logprobs is None:

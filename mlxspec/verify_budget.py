@@ -7,16 +7,20 @@ d per drafting row, whatever the width. A row's own adaptive K would draft as if
 drafts cost what they cost alone, and a batch of rows each drafting a little pays for the
 widest. So the loop asks one question per step: which width S (1 = plain batched decoding)
 gives the most committed tokens per second, with each row's expected tokens at that width from
-its drafter's live acceptance per position, learnt from every row's steps (`observe`: a new
-batch leaves its prior in a step or two, not a row's own dozen), capped by what the row may
+its own live acceptance per position shrunk toward its drafter's, learnt from every row's steps
+(`observe`: a new batch leaves its prior in a step or two, not a row's own dozen, and a row that
+copies well still stands out from one that does not), capped by what the row may
 draft or (prompt lookup) found, and the cost from
-a + b·positions + d·drafting rows fitted to the batch's measured steps. Plain decoding is one
-of the choices and the model is measured, so speculation stops where it would make the batch
+a + b·positions + d·drafting rows fitted to the batch's measured steps (the first step is
+plain, the baseline every width is weighed against). Plain decoding is one of the choices and
+the model is measured, so speculation stops where it would make the batch
 slower than plain batched decoding. While plain wins, one width-2 step is still tried now and
 then, so drafts that become good again are noticed: after `probe_every` plain steps at the
 least, and only once the plain steps since the last probe outweigh what the probe is expected
 to lose `1 / probe_share` times over (a probe that costs a third of a step waits ~17 steps).
 """
+
+import weakref
 
 
 class VerifyBudget:
@@ -35,22 +39,29 @@ class VerifyBudget:
         self.seconds: dict[tuple[int, int], float] = {}
         self.idle_steps = 0
         self.first = True  # the batch's first step is plain: what every width is compared with
-        # Per drafter: P(draft j accepted | draft j-1 accepted), learnt from every row's steps
-        # (a row's own estimate learns only from its own, and a new batch of 8 rows would pay
-        # 8 rows' worth of drafted steps to leave its prior).
-        self.pooled: dict[str, list[float]] = {}
+        # P(draft j accepted | draft j-1 accepted) as decayed (hits, tries) per position: per
+        # drafter from every row's steps, and per row (left with the row).
+        self.pooled: dict[str, list[list[float]]] = {}
+        self.own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def acceptance(self, drafter: str) -> list[float]:
-        """The batch's estimate per draft position for rows of `drafter`."""
-        return self.pooled.setdefault(drafter, [0.6] * self.max_k)
+    def acceptance(self, row, drafter: str) -> list[float]:
+        """`row`'s estimate per draft position: its own tries, with its drafter's estimate
+        (itself with the prior 0.6 as one try) counted as two more."""
+        pooled = [(h + 0.6) / (n + 1) for h, n in self._counts(self.pooled, drafter)]
+        return [(h + 2 * p) / (n + 2) for (h, n), p in zip(self._counts(self.own, row), pooled)]
 
-    def observe(self, drafter: str, drafted: int, accepted: int) -> None:
-        """A row of `drafter` had `accepted` of its `drafted` drafts accepted (as
+    def observe(self, row, drafter: str, drafted: int, accepted: int) -> None:
+        """`row` (of `drafter`) had `accepted` of its `drafted` drafts accepted (as
         AdaptiveDraftLength.update: a position counts only if every one before it was)."""
-        conditional = self.acceptance(drafter)
-        for i in range(min(drafted, accepted + 1, len(conditional))):
-            hit = 1.0 if i < accepted else 0.0
-            conditional[i] = self.decay * conditional[i] + (1 - self.decay) * hit
+        for counts in (self._counts(self.pooled, drafter), self._counts(self.own, row)):
+            for i in range(min(drafted, accepted + 1, len(counts))):
+                hits, tries = counts[i]
+                counts[i] = [self.decay * hits + (i < accepted), self.decay * tries + 1]
+
+    def _counts(self, table, key) -> list[list[float]]:
+        if key not in table:
+            table[key] = [[0.0, 0.0] for _ in range(self.max_k)]
+        return table[key]
 
     def record(self, tokens: int, seconds: float, drafting: int = 0) -> None:
         """A step that verified `tokens` positions (rows x width, padding included), `drafting`

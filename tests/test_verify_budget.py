@@ -118,16 +118,28 @@ def test_a_step_is_queued_plain_ahead_only_when_no_probe_is_due():
     assert not budget.plain_ahead([[0.95] * 8] * 4, [8] * 4)
 
 
-def test_acceptance_is_learnt_per_drafter_from_every_rows_steps():
-    """Six rows' rejected first drafts in one step bring the batch's estimate from its prior
-    0.6 to 0.6 x 0.7^6; later positions, never reached, keep it; another drafter's is apart."""
+def test_a_rows_acceptance_leans_on_its_drafters_until_it_has_tries_of_its_own():
+    """Six rows' rejected first drafts in one step bring a new row's first-position estimate
+    from the prior 0.6 near its drafter's (about 0.15); a row whose own drafts were accepted
+    twice stands above the rest; unreached positions keep the prior; drafters stay apart."""
+    class Key:  # a row: any object that can be weakly referenced
+        pass
+
     budget = VerifyBudget(4)
-    for _ in range(6):
-        budget.observe("lookup", 3, 0)
-    budget.observe("lookup", 0, 0)  # found nothing: no position reached
-    assert budget.acceptance("lookup") == pytest.approx([0.6 * 0.7 ** 6, 0.6, 0.6, 0.6])
-    budget.observe("dflash", 2, 2)
-    assert budget.acceptance("dflash") == pytest.approx([0.72, 0.72, 0.6, 0.6])
+    rows = [Key() for _ in range(7)]
+    assert budget.acceptance(rows[0], "lookup") == pytest.approx([0.6] * 4)
+    for row in rows[:6]:
+        budget.observe(row, "lookup", 3, 0)
+    budget.observe(rows[6], "lookup", 0, 0)  # found nothing: no position reached
+    tries = sum(0.7 ** i for i in range(6))
+    pooled = 0.6 / (tries + 1)
+    assert budget.acceptance(rows[6], "lookup") == pytest.approx([pooled, 0.6, 0.6, 0.6])
+    lucky = Key()
+    budget.observe(lucky, "lookup", 2, 2)
+    budget.observe(lucky, "lookup", 2, 2)
+    first = budget.acceptance(lucky, "lookup")[0]
+    assert first > 0.5 > budget.acceptance(rows[0], "lookup")[0]
+    assert budget.acceptance(Key(), "dflash") == pytest.approx([0.6] * 4)
 
 
 # ------------------------------------------------------------------ what the loop records
