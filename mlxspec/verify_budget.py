@@ -11,8 +11,9 @@ its own live acceptance per position shrunk toward its drafter's, learnt from ev
 (`observe`: a new batch leaves its prior in a step or two, not a row's own dozen, and a row that
 copies well still stands out from one that does not), capped by what the row may
 draft or (prompt lookup) found, and the cost from
-a + b·positions + d·drafting rows fitted to the batch's measured steps. Plain decoding is one
-of the choices and the model is measured, so speculation stops where it would make the batch
+a + b·positions + d·drafting rows fitted to the batch's measured steps (the first step is
+plain, the baseline every width is weighed against). Plain decoding is one of the choices and
+the model is measured, so speculation stops where it would make the batch
 slower than plain batched decoding. While plain wins, one width-2 step is still tried now and
 then, so drafts that become good again are noticed: after `probe_every` plain steps at the
 least, and only once the plain steps since the last probe outweigh what the probe is expected
@@ -37,6 +38,7 @@ class VerifyBudget:
         # (positions in a pass = rows x width, rows that drafted) -> running mean of seconds
         self.seconds: dict[tuple[int, int], float] = {}
         self.idle_steps = 0
+        self.first = True  # the batch's first step is plain: what every width is compared with
         # P(draft j accepted | draft j-1 accepted) as decayed (hits, tries) per position: per
         # drafter from every row's steps, and per row (left with the row).
         self.pooled: dict[str, list[list[float]]] = {}
@@ -104,6 +106,9 @@ class VerifyBudget:
         rates = self._rates(acceptance, caps)
         if len(rates) < 2:
             return 0  # no row can draft: nothing to choose
+        if self.first and not self.seconds:
+            self.first = False
+            return 0
         k = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if k:
             self.idle_steps = 0
@@ -118,6 +123,8 @@ class VerifyBudget:
     def plain_ahead(self, acceptance: list[list[float]], caps: list[int]) -> bool:
         """Whether the next step is plain whatever drafts the rows find (each drafts at most
         caps[i]), so it may be queued before they are known: then it counts as a plain step."""
+        if self.first and not self.seconds:
+            return False  # the first step is chosen (plain) when it is launched
         if self.best(acceptance, caps) or self.idle_steps + 1 >= self.probe_every and \
                 self._probe_loss(acceptance, caps) <= self.probe_share * (self.idle_steps + 1):
             return False

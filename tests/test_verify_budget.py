@@ -86,6 +86,15 @@ def test_rows_whose_free_drafter_found_nothing_count_as_plain_rows():
     assert budget.best(good, [8] * 8) >= 4
 
 
+def test_a_batch_starts_with_a_plain_step_before_its_prior_drafts():
+    """Nothing measured: the first step is plain (the baseline every width is weighed
+    against), then the prior (acceptance 0.6, a position 10% of a pass) drafts."""
+    budget = VerifyBudget(8)
+    assert not budget.plain_ahead([[0.6] * 8] * 8, [8] * 8)
+    assert budget.width([[0.6] * 8] * 8, [8] * 8) == 0
+    assert budget.width([[0.6] * 8] * 8, [8] * 8) == 1
+
+
 def test_useless_drafts_decode_plain_with_probes_spaced_by_what_they_lose():
     """Acceptance 0: plain decoding, and a width-2 probe once the plain steps since the last
     outnumber the probe's loss 50 times over (probe_share 2%), never before 8 steps: a probe
