@@ -5,11 +5,16 @@ on the same model object, greedy), one run.
 Each configuration generates the same prompts (HumanEval and MT-Bench first turns in the chat
 template, `--max-tokens` greedy tokens each) in batches of B; decode tok/s = a batch's
 generated tokens / its seconds from the first token on (prefill, the same work for every
-configuration, apart: on a 2-core CPU it would dominate), summed over batches. Every
+configuration, apart: on a 2-core CPU it would dominate), summed over batches. The drafters
+take turns on each batch (`--repeat` turns each), so load from other work on a shared machine
+falls on all of them alike and their ratios to plain decoding hold. Every
 configuration's outputs are checked equal to plain decoding's (lossless), so a speed-up never
-comes from a different text.
+comes from a different text. `--workload copy` asks instead for HumanEval solutions rewritten
+with one rename (mlxspec.prompts.copy_prompts): most of each answer repeats its prompt.
 
     .venv/bin/python benchmarks/batch_speed.py --out docs/results/batch-speed-cpu.json
+    .venv/bin/python benchmarks/batch_speed.py --workload copy --max-tokens 160 \
+        --out docs/results/batch-speed-copy-cpu.json
 """
 
 import argparse
@@ -19,17 +24,27 @@ import mlxspec  # first: it loads OpenBLAS before mlx.core would load its slow b
 
 import mlx.core as mx  # noqa: E402
 from mlxspec.bench import chat_prompt
-from mlxspec.prompts import humaneval_prompts, mtbench_prompts
+from mlxspec.prompts import copy_prompts, humaneval_prompts, mtbench_prompts
 
 
-def run_ours(model, tokenizer, prompts, batch, max_tokens, drafter):
-    texts, seconds = [], 0.0
+def run_ours(model, tokenizer, prompts, batch, max_tokens, drafters, repeat=1):
+    """{drafter name: (token ids, decode tok/s)}: every batch of prompts run by each drafter
+    in turn (`repeat` times), so a machine shared with other work slows every configuration
+    alike, and the ratios between them hold."""
+    texts = {name: [] for name in drafters}
+    seconds = dict.fromkeys(drafters, 0.0)
+    generated = dict.fromkeys(drafters, 0)
     for i in range(0, len(prompts), batch):
-        out = mlxspec.batch_generate(model, tokenizer, prompts[i : i + batch], max_tokens,
-                                     drafter=drafter)
-        texts += out.token_ids
-        seconds += out.generation_tokens / out.generation_tps
-    return texts, sum(map(len, texts)) / seconds
+        for turn in range(repeat):
+            for name, drafter in drafters.items():
+                mx.random.seed(0)
+                out = mlxspec.batch_generate(model, tokenizer, prompts[i : i + batch],
+                                             max_tokens, drafter=drafter)
+                if turn == 0:
+                    texts[name] += out.token_ids
+                seconds[name] += out.generation_tokens / out.generation_tps
+                generated[name] += out.generation_tokens
+    return {name: (texts[name], generated[name] / seconds[name]) for name in drafters}
 
 
 def run_mlx_lm(model, tokenizer, prompts, batch, max_tokens):
@@ -51,11 +66,18 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--drafters", default="none,lookup,dflash")
+    parser.add_argument("--workload", choices=("chat", "copy"), default="chat")
+    parser.add_argument("--no-mlx-lm", action="store_true", help="ours only")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each batch per drafter")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     model, tokenizer = mlxspec.load()
-    texts = humaneval_prompts(args.prompts // 2) + mtbench_prompts(args.prompts - args.prompts // 2)
+    if args.workload == "copy":
+        texts = copy_prompts(args.prompts)
+    else:
+        half = args.prompts // 2
+        texts = humaneval_prompts(half) + mtbench_prompts(args.prompts - half)
     prompts = [chat_prompt(tokenizer, t) for t in texts]
     drafters = {name: None if name == "none" else
                 mlxspec.load_drafter(name, model=model, tokenizer=tokenizer)
@@ -63,15 +85,17 @@ def main():
     rows = []
     for batch in map(int, args.batches.split(",")):
         reference, plain = None, None
-        for name, drafter in drafters.items():
-            mx.random.seed(0)
-            ids, tps = run_ours(model, tokenizer, prompts, batch, args.max_tokens, drafter)
+        results = run_ours(model, tokenizer, prompts, batch, args.max_tokens, drafters,
+                           args.repeat)
+        for name, (ids, tps) in results.items():
             reference = reference or ids
             plain = plain or tps
             row = dict(batch=batch, runtime="mlxspec", drafter=name, tok_s=tps,
                        vs_plain=tps / plain, lossless=ids == reference)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if args.no_mlx_lm:
+            continue
         ids, tps = run_mlx_lm(model, tokenizer, prompts, batch, args.max_tokens)
         row = dict(batch=batch, runtime="mlx-lm", drafter="none", tok_s=tps, vs_plain=tps / plain,
                    same_text=[i[: len(r)] == r[: len(i)] for i, r in zip(ids, reference)].count(True))
@@ -79,8 +103,9 @@ def main():
         print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(blas=mlxspec.blas_in_use(), prompts=len(prompts),
-                           max_tokens=args.max_tokens, rows=rows), f, indent=1)
+            json.dump(dict(blas=mlxspec.blas_in_use(), workload=args.workload, prompts=len(prompts),
+                           max_tokens=args.max_tokens, repeat=args.repeat, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

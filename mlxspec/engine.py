@@ -38,6 +38,13 @@ class Draft:
     def __len__(self):
         return len(self.tokens) if isinstance(self.tokens, list) else int(self.tokens.shape[0])
 
+    def prefix(self, n: int) -> "Draft":
+        """The chain's first n drafts: what the drafter would have proposed with K = n, for a
+        drafter whose drafts do not depend on K (Drafter.free_drafts)."""
+        if n >= len(self):
+            return self
+        return Draft(tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n])
+
     def first_chain(self) -> "Draft":
         """The tree's branch of first children as a chain, for a target that cannot verify a
         tree (a recurrent state, a sliding window)."""
@@ -192,6 +199,11 @@ class Drafter:
         if budget is not None:
             self.default_num_draft = self.max_draft = budget
             self.drafts_trees = True
+
+    # Proposing costs no model pass and keeps no state, and a shorter K would give a prefix of
+    # the same draft (prompt lookup): a batch proposes each such row's most, then chooses the
+    # shared width knowing which rows found drafts, and how long (VerifyBudget).
+    free_drafts = False
 
     # Whether it can draft for a row of a batch (a drafter that drafts inside the target's own
     # cache, LayerSkip, cannot: it says why in `batch_refusal`).
@@ -530,6 +542,12 @@ class Loop:
         # Several rows with an adaptive K: the batch's pass width, chosen for all of them.
         self.budget: VerifyBudget | None = None
         self.clock = 0.0  # when the last pass was read
+        # Shared rows whose width waits for their free drafts (Drafter.free_drafts), with their
+        # caps: set by _next_ks for the next _launch.
+        self.width_after_drafts: dict[Row, int] | None = None
+        # Plain passes queued ahead and read since the last step the budget recorded, with their
+        # seconds: each read's interval holds the next pass's launch, so they are timed together.
+        self.chained = (0, 0.0)
         self.cancelled: set[Row] = set()
 
     def join(self, row: Row) -> None:
@@ -589,15 +607,28 @@ class Loop:
             row.stats.plain_fallback_steps += k <= 0 < wanted
         return max(k, 0)
 
+    def _propose(self, row: Row, k: int) -> Draft:
+        draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
+        if draft.parents is not None and not self.target.holds_trees():
+            draft = draft.first_chain()
+            row.stats.chain_fallback_steps += 1
+        return draft
+
     def _launch(self, ks: list[int], pending=None):
         start = time.perf_counter()
-        drafts = []
-        for row, k in zip(self.rows, ks):
-            draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
-            if draft.parents is not None and not self.target.holds_trees():
-                draft = draft.first_chain()
-                row.stats.chain_fallback_steps += 1
-            drafts.append(draft)
+        found = {}
+        caps, self.width_after_drafts = self.width_after_drafts, None
+        if caps:  # free drafts first: the batch's width follows what they found
+            found = {row: self._propose(row, cap) for row, cap in caps.items()
+                     if row.drafter.free_drafts}
+            width = self.budget.width([self.budget.acceptance(row, row.drafter.name)
+                                       for row in caps],
+                                      [len(found[row]) if row in found else cap
+                                       for row, cap in caps.items()])
+            found = {row: draft.prefix(width) for row, draft in found.items()}
+            ks = [min(width, caps[row]) if row in caps else k for row, k in zip(self.rows, ks)]
+        drafts = [found[row] if row in found else self._propose(row, k)
+                  for row, k in zip(self.rows, ks)]
         if pending is None:
             pending = [row.tokens[-1] for row in self.rows]
         queued = self.target.launch(pending, drafts, [row.sampling for row in self.rows],
@@ -607,10 +638,10 @@ class Loop:
             row.stats.launch_seconds += seconds
         return queued
 
-    def _next_ks(self, ahead: bool = False, known: dict | None = None) -> list[int]:
+    def _next_ks(self, ahead: bool = False, known: dict | None = None) -> list[int] | None:
         """Each row's K for its next pass (`known`: those chosen already); `ahead`: for a pass
         queued before this one is read, which is then plain, so its own token still to come
-        counts."""
+        counts (None: not known before the rows' free drafts are)."""
         known = known or {}
         shared = [row for row in self.rows if row not in known
                   and isinstance(row.policy, AdaptiveDraftLength)] if len(self.rows) > 1 else []
@@ -619,9 +650,18 @@ class Loop:
                                         row.max_k) for row in shared}
             if self.budget is None:
                 self.budget = VerifyBudget(max(row.max_k for row in self.rows))
-            width = self.budget.width([row.policy.conditional for row in shared],
-                                      list(caps.values()))
-            known = {**known, **{row: min(width, cap) for row, cap in caps.items()}}
+            acceptance = [self.budget.acceptance(row, row.drafter.name) for row in shared]
+            if any(row.drafter.free_drafts for row in shared):
+                if ahead:  # only a step that stays plain whatever they find is queued ahead
+                    if not self.budget.plain_ahead(acceptance, list(caps.values())):
+                        return None
+                    caps = dict.fromkeys(caps, 0)
+                else:  # _launch chooses the width once they are drafted
+                    self.width_after_drafts = caps
+                known = {**known, **caps}
+            else:
+                width = self.budget.width(acceptance, list(caps.values()))
+                known = {**known, **{row: min(width, cap) for row, cap in caps.items()}}
         return [known[row] if row in known else
                 self._choose_k(row, row.produced + ahead, len(row.tokens) + ahead)
                 for row in self.rows]
@@ -636,6 +676,8 @@ class Loop:
                         for r in self.rows)):
             return None, None
         ks = self._next_ks(ahead=True)
+        if ks is None:
+            return None, None
         if any(ks):
             return None, dict(zip(self.rows, ks))
         return self._launch(ks, pending=self.step), None
@@ -657,8 +699,7 @@ class Loop:
                 verdicts = self.step.verdicts()  # the step's one host sync
                 now = time.perf_counter()
                 if self.budget is not None and len(self.rows) > 1:
-                    width = 1 + max(self.step.num_drafts)
-                    self.budget.record(len(self.rows) * width, now - self.clock)
+                    self._time_step(now - self.clock, chained=queued is not None)
                 self.clock = now
                 self.target.settle(verdicts)
                 self.step = queued
@@ -681,6 +722,21 @@ class Loop:
                 self.target.trim(self.step.num_drafts)
                 self.step = None
 
+    def _time_step(self, seconds: float, chained: bool) -> None:
+        """Record the step just read in the batch's budget. A plain pass queued ahead is
+        launched before the current one is read, and a launch may compute (MLX on a CPU), so
+        a chain of them is timed as one: its seconds shared among its passes (all plain, over
+        the same rows)."""
+        passes, total = self.chained
+        passes, total = passes + 1, total + seconds
+        if chained:
+            self.chained = (passes, total)
+            return
+        self.chained = (0, 0.0)
+        drafts = self.step.num_drafts
+        self.budget.record(len(self.rows) * (1 + max(drafts)), total / passes,
+                           sum(1 for k in drafts if k))
+
     def _commit(self, row: Row, verdict: Verdict, now: float) -> list[tuple]:
         """Keep what `verdict` committed for `row`; its events, up to a stop token or its
         max_tokens (then it is finished)."""
@@ -692,6 +748,9 @@ class Loop:
         row.stats.record(*emitted_counts(verdict, len(new)), len(new))
         if row.policy:
             row.policy.update(len(verdict.draft_tokens), verdict.accepted, now - row.clock)
+        if self.budget is not None and isinstance(row.policy, AdaptiveDraftLength):
+            self.budget.observe(row, row.drafter.name, len(verdict.draft_tokens),
+                                verdict.accepted)
         row.produced, row.clock = row.produced + len(new), now
         row.finished = stop is not None or row.produced >= row.max_tokens
         if row.logprobs is None:

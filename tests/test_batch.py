@@ -385,27 +385,6 @@ def test_sampled_rows_follow_the_target_distribution(tokenizer):
 # ------------------------------------------------------------------- the batch's pass width
 
 
-def test_verify_budget_drafts_only_where_it_pays():
-    """The width maximises the batch's tokens per second under the measured cost: useless
-    drafts (acceptance 0) give plain batched decoding, probed every 8 steps; good drafts on a
-    pass whose cost grows slowly with width give wide passes; a row's cap bounds its own K."""
-    from mlxspec.verify_budget import VerifyBudget
-
-    budget = VerifyBudget(8)
-    for rows, width in ((4, 1), (4, 3), (4, 9)):  # 10 ms a pass + 1 ms per verified position
-        budget.record(rows * width, 0.010 + 0.001 * rows * width)
-    intercept, slope = budget.cost()
-    assert abs(intercept - 0.010) < 1e-9 and abs(slope - 0.001) < 1e-9
-    widths = [budget.width([[0.0] * 8] * 4, [8] * 4) for _ in range(16)]
-    assert widths.count(0) == 14 and widths.count(1) == 2  # plain, a probe every 8th step
-    assert budget.width([[0.95] * 8] * 4, [8] * 4) >= 4
-    assert budget.width([[0.95] * 8] * 4, [2, 2, 2, 2]) == 2
-    expensive = VerifyBudget(8)  # every verified position costs as much as a pass's fixed part
-    for tokens in (4, 12, 36):
-        expensive.record(tokens, 0.001 + 0.001 * tokens)
-    assert expensive.width([[0.5] * 8] * 4, [8] * 4) == 0
-
-
 def test_a_batch_with_useless_drafts_decodes_plain_most_steps(tokenizer):
     """Rows whose drafts are always rejected: the batch's shared width falls to plain decoding
     (a probe step now and then), the output unchanged."""
