@@ -91,16 +91,15 @@ class JoiningRows:
             cache.append(part)
         tickets = [self.tickets[i] for i in ready]
         features = [self._features(i) for i in ready] if self.capture_layers else None
-        if keep:
-            index = mx.array(keep, dtype=mx.int32)
-            for c in self.cache:
-                c.filter(index)
-        else:
-            self.cache = None
+        self._keep(keep)
+        return tickets, cache, features
+
+    def _keep(self, keep: list[int]) -> None:
+        """Only these joining rows stay, in their order."""
+        self.cache = keep_rows(self.cache, keep)
         self.tickets = [self.tickets[i] for i in keep]
         self.bodies = [self.bodies[i] for i in keep]
         self.features = [self.features[i] for i in keep]
-        return tickets, cache, features
 
     def _features(self, i: int) -> mx.array:
         chunks = [f for f in self.features[i] if f.shape[0]]
@@ -109,11 +108,15 @@ class JoiningRows:
     def drop(self, ticket: int) -> None:
         """A joining row leaves before it is ready (its client is gone)."""
         i = self.tickets.index(ticket)
-        keep = [j for j in range(len(self.tickets)) if j != i]
-        if keep:
-            index = mx.array(keep, dtype=mx.int32)
-            for c in self.cache:
-                c.filter(index)
-        else:
-            self.cache = None
-        del self.tickets[i], self.bodies[i], self.features[i]
+        self._keep([j for j in range(len(self.tickets)) if j != i])
+
+
+def keep_rows(cache: list, keep: list[int]) -> list | None:
+    """Batch caches (one per layer) filtered in place to the rows `keep`, in that order; None
+    when no row stays."""
+    if not keep:
+        return None
+    index = mx.array(keep, dtype=mx.int32)
+    for c in cache:
+        c.filter(index)
+    return cache

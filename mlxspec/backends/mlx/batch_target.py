@@ -27,7 +27,7 @@ from ...engine import Draft, Pass, Verdict
 from ...rollback import is_recurrent, restore, snapshot
 from ...sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
-from .batch_prefill import JoiningRows
+from .batch_prefill import JoiningRows, keep_rows
 from .hidden_states import capture_layer_outputs, concat_features, record_inputs
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
@@ -183,12 +183,7 @@ class MLXBatchTarget:
         keep = [i for i in range(self._rows) if i not in gone]
         if not gone:
             return
-        if keep:
-            index = mx.array(keep, dtype=mx.int32)
-            for c in self.cache:
-                c.filter(index)
-        else:
-            self.cache = None
+        self.cache = keep_rows(self.cache, keep)
         self._rows = len(keep)
         self._layout += 1
         self._last = None
