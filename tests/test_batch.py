@@ -306,12 +306,15 @@ REAL_PROMPTS = ["Write a Python function that returns the square of a number.",
 @pytest.mark.parametrize("drafter", ["lookup", "dflash"])
 def test_real_model_batch_equals_each_prompt_alone(drafter, smollm):
     """SmolLM2 with its shipped DFlash drafter and with lookup: a batch of real prompts gives
-    each exactly its greedy output alone."""
+    each exactly its greedy output alone, with the batch's shared width (which may keep 24
+    tokens plain) and with a fixed K (every step drafts, and drafts get accepted)."""
     model, tokenizer = smollm
     spec = mlxspec.load_drafter(drafter, model=model, tokenizer=tokenizer)
     expected = alone(model, tokenizer, REAL_PROMPTS, [24] * 4, spec)
-    out = mlxspec.batch_generate(model, tokenizer, REAL_PROMPTS, 24, drafter=spec)
-    assert out.token_ids == expected
+    for adaptive in (True, False):
+        out = mlxspec.batch_generate(model, tokenizer, REAL_PROMPTS, 24, drafter=spec,
+                                     adaptive=adaptive)
+        assert out.token_ids == expected, adaptive
     assert sum(s.accepted for s in out.stats) > 0
 
 
