@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .backends import backend_for
 from .backends.mlx.target import stage_of
-from .engine import Drafter, Loop, Row, SpecStats, draft_limit
+from .engine import Drafter, Loop, Row, SpecStats, Start, draft_limit
 from .generate import _as_wrapper, check_prompt_cache, check_request, encode_prompt
 from .generation_lock import clear_streams_at_thread_exit, generation_lock
 from .request import Request, check_count
@@ -50,7 +50,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     stream the rows draw from (a row's draws depend on the others', unlike a lone generation's).
     `prompt_caches`: one `PromptCache` (or None) per prompt, as stream_generate's: a row starts
     from the longest prefix of its prompt its cache holds and prefills only the rest, and the
-    cache holds the row's prompt and reply afterwards (a conversation's next turn reuses it).
+    cache holds the row's prompt and reply afterwards (a conversation's next turn reuses it);
+    with a drafter that reads target features (DFlash, EAGLE-3), its prompt and their features.
     """
     parts = backend_for(model)
     refusal = model_refusal(model)
@@ -82,7 +83,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
             for tokens, request in zip(encoded, requests)]
     cached = [0] * len(rows)
     for i, (row, cache) in enumerate(zip(rows, caches)):
-        if cache is not None and not prototype.capture_layers:  # stream_generate's rule
+        if cache is not None:
             cached[i] = start_from(row, cache, model)
     for row in rows:
         loop.join(row)
@@ -130,15 +131,32 @@ def start_from(row: Row, cache, model) -> int:
     """`row` starts from the longest prefix of its prompt `cache` (a KeptCache) holds, and
     hands its caches back to it when it leaves; returns how many prompt tokens it skips."""
     cache.check_model(model)
-    n = cache.shared(row.tokens)
-    row.start = (cache.prefix(n), n) if n else None
+    prompt_length = len(row.tokens)
+    row.start = kept_start(cache, row.tokens, bool(row.drafter.capture_layers))
+    row.on_leave = lambda left: keep_row(cache, row, *left, prompt_length=prompt_length)
+    return row.start.length if row.start else 0
 
-    def keep(left) -> None:
-        cache.cache, _ = left
+
+def kept_start(cache, prompt: list[int], features: bool) -> Start | None:
+    """A row's Start from `cache` (a KeptCache), None where it holds nothing of `prompt`;
+    `features`: the row's drafter reads target features, which the cache must hold too."""
+    n = cache.shared(prompt, features)
+    if not n:
+        return None
+    return Start(cache.prefix(n), n, cache.features[:n] if features else None)
+
+
+def keep_row(cache, row: Row, caches: list, held: int | None, *, prompt_length: int) -> None:
+    """A leaving row's caches (copied out of the batch) into `cache`, cut back to the tokens
+    it committed; for a drafter that reads target features, to its prompt (but the pending
+    last token), whose features the row kept (those of its reply went to its drafter)."""
+    cache.cache = caches
+    if row.drafter.capture_layers:
+        cache.features = row.prompt_features
+        cache.remember(row.tokens[: prompt_length - 1])
+    else:
+        cache.features = None
         cache.remember(row.tokens)
-
-    row.on_leave = keep
-    return n
 
 
 def _prompt_caches(parts, caches, n: int) -> list:

@@ -12,7 +12,7 @@ backend's `Target`; drafters see host token lists and backend arrays.
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
 from .sampling import SamplingConfig
 from .tree import TreeShape
@@ -419,6 +419,16 @@ def emitted_counts(verdict: Verdict, emitted: int) -> tuple[int, int]:
     return len(verdict.draft_tokens), verdict.accepted
 
 
+class Start(NamedTuple):
+    """A kept prompt cache a row starts from: its caches hold the prompt's first `length`
+    tokens (so only the rest is prefilled), with their target `features` for a drafter that
+    reads them (None: none kept)."""
+
+    caches: Any
+    length: int
+    features: Any = None
+
+
 @dataclass(eq=False)
 class Row:
     """One sequence in the loop, with everything that is its own: its tokens (prompt, then
@@ -435,10 +445,11 @@ class Row:
     stop_tokens: frozenset = frozenset()
     logprobs: int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
-    # A kept prompt cache to start from, (caches, n) holding the prompt's first n tokens, so
-    # only the rest is prefilled; and who takes the row's caches when it leaves (to keep them).
-    start: Any = None
+    # A kept prompt cache to start from (Start), and who takes the row's caches when it leaves
+    # (to keep them), with `prompt_features`: its prompt's target features, where it has both.
+    start: "Start | None" = None
     on_leave: Any = None
+    prompt_features: Any = None
     produced: int = 0
     finished: bool = False  # it stopped, ran out of tokens or was cancelled: it leaves
     clock: float = 0.0  # when its last step ended, for the policy's step times
@@ -588,6 +599,8 @@ class Loop:
             for ticket, features in self.target.fill(self.prefill_chunk if self.rows else None):
                 row = self.filling.pop(ticket)
                 row.start = None  # the batch holds a copy
+                if row.on_leave is not None:
+                    row.prompt_features = features
                 row.drafter.begin(row.tokens, features)
                 row.clock = time.perf_counter()
                 self.rows.append(row)

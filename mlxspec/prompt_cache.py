@@ -17,6 +17,9 @@ class KeptCache:
     def __init__(self):
         self.cache = None
         self.tokens: list[int] = []  # the tokens whose keys and values (or states) it holds
+        # The target features of those tokens (n, H * layers), where a row whose drafter reads
+        # them (DFlash, EAGLE-3) left the cache: such a row can start from it too. Else None.
+        self.features = None
         self._model = None  # a weak reference to the model whose cache it holds
 
     def check_model(self, model) -> None:
@@ -28,6 +31,7 @@ class KeptCache:
                              "per model")
         if held is None:
             self._model, self.cache, self.tokens = weakref.ref(model), None, []
+            self.features = None
 
     def _new(self, model): ...
 
@@ -39,10 +43,10 @@ class KeptCache:
 
     def _cut(self, n: int) -> None: ...
 
-    def shared(self, prompt: Sequence[int]) -> int:
+    def shared(self, prompt: Sequence[int], features: bool = False) -> int:
         """How many of `prompt`'s tokens (never the last) this cache could start it with,
-        left as it is (see `prefix`)."""
-        if self.cache is None:
+        left as it is (see `prefix`); `features`: with their target features too."""
+        if self.cache is None or (features and self.features is None):
             return 0
         keep = common_prefix_length(self.tokens, prompt[:-1])
         return keep if keep == len(self.tokens) or self._can_cut() else 0
@@ -59,6 +63,7 @@ class KeptCache:
         keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
         if self.cache is None or (keep < len(self.tokens) and not self._can_cut()):
             self.cache, self.tokens, keep = self._new(model), [], 0
+            self.features = None
         self._trim_to(keep)
         return self.cache
 
@@ -68,7 +73,7 @@ class KeptCache:
         be (or no layer counts positions), the next call starts afresh."""
         held = self._held() if self.cache is not None else 0
         if held is None or (held > len(tokens) and not self._can_cut()):
-            self.cache, self.tokens = None, []
+            self.cache, self.tokens, self.features = None, [], None
             return
         self.tokens = list(tokens[:held])
         self._trim_to(len(self.tokens))
@@ -78,3 +83,5 @@ class KeptCache:
         if held > keep:
             self._cut(held - keep)
         self.tokens = self.tokens[:keep]
+        if self.features is not None:
+            self.features = self.features[:keep]

@@ -207,7 +207,7 @@ def test_long_prompts_join_in_chunks_and_rows_start_from_kept_caches(kind):
               start=(caches, held))
     joining, bodies = loop.target._joining, []
     add = joining.add
-    joining.add = lambda tickets, new, starts: (bodies.extend(new), add(tickets, new, starts))
+    joining.add = lambda tickets, new, *rest: (bodies.extend(new), add(tickets, new, *rest))
     loop.join(row)
     assert [t for _, t, _ in loop if t not in eos] == want
     assert bodies == [[7, 8]]  # only the new tokens but the pending one were prefilled
@@ -234,6 +234,34 @@ def test_batch_generate_keeps_a_prompt_cache_per_prompt(kind, tokenizer):
     assert second.cached_tokens[1] == 0
     with pytest.raises(ValueError, match="2 caches for 3 prompts"):
         mlxspec.batch_generate(model, tokenizer, turns, 8, prompt_caches=caches[:2])
+
+
+def test_feature_drafters_start_from_prompt_caches_with_their_features(tmp_path, tokenizer):
+    """DFlash and EAGLE-3 rows read their prompt's target features: a prompt cache they leave
+    holds their prompt with its features, and the same prompt again, or a longer one starting
+    with it, prefills only the rest (cached_tokens) and gives what it gives alone."""
+    from mlxspec.overhead import TINY_TARGET
+    from mlxspec.overhead import tiny_llama as overhead_llama
+
+    target = overhead_llama(VOCAB, 0, **TINY_TARGET)
+    llama, drafters = feature_drafters(tmp_path)["eagle3"][0], feature_drafters(tmp_path)
+    cases = [(target, lambda: tiny_dflash(target), tokenizer, PROMPTS[:3]),
+             (llama, drafters["eagle3"][1], tiny_tokenizer(12),
+              [[t % 12 for t in p] for p in PROMPTS[:3]])]
+    fixed = dict(num_draft=3, adaptive=False)
+    for model, make, tok, prompts in cases:
+        caches = [mlxspec.PromptCache() for _ in prompts]
+        first = mlxspec.batch_generate(model, tok, prompts, 6, drafter=make(),
+                                       prompt_caches=caches, **fixed)
+        assert [c.tokens for c in caches] == [p[:-1] for p in prompts]
+        assert all(c.features.shape[0] == len(p) - 1 for c, p in zip(caches, prompts))
+        turns = [p + [3, 4, 5] for p in prompts]
+        want = alone(model, tok, turns, [10] * 3, make(), **fixed)
+        second = mlxspec.batch_generate(model, tok, turns, 10, drafter=make(),
+                                        prompt_caches=caches, **fixed)
+        assert second.token_ids == want
+        assert second.cached_tokens == [len(p) - 1 for p in prompts]
+        assert first.cached_tokens == [0] * len(prompts)
 
 
 def test_a_batch_of_one_is_the_single_sequence_path(tokenizer):

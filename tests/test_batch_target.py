@@ -231,6 +231,29 @@ def test_rows_join_from_kept_caches_in_chunks_as_a_fresh_prefill(name):
         assert_caches_match_fresh(model, batch, i, tokens[r])
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_a_row_starts_from_a_kept_cache_with_its_features(name):
+    """A target capturing features (for DFlash, EAGLE-3) takes a kept cache with the features
+    of what it holds: the row's features are those of a fresh prefill of its whole prompt,
+    and its verify pass is the single path's."""
+    model = MODELS[name]()
+    layers = (0, 1) if name == "llama" else (1, 3)
+    prompt = [5, 3, 9, 1, 7, 2, 8, 4, 6]
+    single = Single(model, capture_layers=layers, speculative=True)
+    want = single.prefill(prompt)
+    kept = MLXTarget(model, capture_layers=layers)
+    held = kept.prefill(prompt[:5])  # 4 tokens and their features
+    batch = MLXBatchTarget(model, capture_layers=layers)
+    got, = join_rows(batch, [prompt], [(kept.cache, 4, held)], budget=2)
+    assert got.shape == want.shape and relative_diff(want, got) <= TOLERANCE
+    bp = batch.launch([prompt[-1]], [Draft(tokens=[1, 2])], [GREEDY])
+    ref = single.launch(prompt[-1], Draft(tokens=[1, 2]), GREEDY).verdict()
+    assert relative_diff(single.logits, bp.logits[0, :3]) <= TOLERANCE
+    v, = bp.verdicts()
+    assert (v.accepted, v.next_token) == (ref.accepted, ref.next_token)
+    assert relative_diff(ref.features, v.features) <= TOLERANCE
+
+
 def test_a_kept_cache_must_leave_the_last_prompt_token():
     model = MODELS["llama"]()
     single = MLXTarget(model)
@@ -238,7 +261,7 @@ def test_a_kept_cache_must_leave_the_last_prompt_token():
     batch = MLXBatchTarget(model)
     with pytest.raises(ValueError, match="never all of it"):
         batch.add([[1, 2, 3]], [(single.cache, 3)])
-    with pytest.raises(ValueError, match="starts afresh"):
+    with pytest.raises(ValueError, match="only with the features of what it holds"):
         MLXBatchTarget(model, capture_layers=(0,)).add([[1, 2, 3, 4, 5]], [(single.cache, 3)])
 
 

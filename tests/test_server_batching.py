@@ -286,6 +286,36 @@ def test_prompt_caches_are_kept_per_request(servers):
     assert server.worker.caches.held_tokens() > 0
 
 
+def test_the_pool_lends_features_only_from_caches_that_kept_them():
+    """A DFlash or EAGLE-3 row starts only from a kept cache that holds its tokens' target
+    features; a cache without them that extends one with them does not push it out."""
+    from mlxspec.backends.mlx.target import MLXTarget, PromptCache
+    from mlxspec.server.cache_pool import PromptCachePool
+
+    model = tiny_model()
+
+    def kept(tokens, features):
+        target = MLXTarget(model)
+        target.prefill(tokens + [0])
+        cache = PromptCache()
+        cache.check_model(model)
+        cache.cache, cache.tokens = target.cache, list(tokens)
+        cache.features = mx.zeros((len(tokens), 4)) if features else None
+        return cache
+
+    pool = PromptCachePool(PromptCache, slots=4)
+    featured, plain = kept([1, 2, 3], True), kept([1, 2, 3, 4, 5], False)
+    pool.keep(featured)
+    pool.keep(plain)
+    assert pool.caches == [featured, plain]
+    assert pool.longest([1, 2, 3, 4, 5, 6]) == (plain, 5)
+    assert pool.longest([1, 2, 3, 4, 5, 6], features=True) == (featured, 3)
+    assert pool.longest([9, 9], features=True) == (None, 0)
+    again = kept([1, 2, 3, 4], True)
+    pool.keep(again)  # it extends the one with features, which goes
+    assert pool.caches == [plain, again]
+
+
 def test_metrics_and_health_show_the_batch(servers):
     (batched, _), (alone, _) = servers
     metrics = http("GET", batched.url + "/metrics").text

@@ -10,8 +10,10 @@ Answer, so each request gets the Deltas and Outcome the one-at-a-time Worker wou
 Prompt caches are kept as the Worker keeps them, in a pool of the same bound: a request starts
 from a copy of the longest prefix of its prompt any kept cache holds (its conversation's last
 turn, a shared system prompt), so only the rest is prefilled, and its row's caches are kept when
-it leaves. A row whose drafter reads the prompt's features (DFlash, EAGLE-3) starts afresh, as
-in the Worker.
+it leaves. A row whose drafter reads the prompt's target features (DFlash, EAGLE-3) starts only
+from a cache that kept them too: such a row leaves its prompt's caches and features (its
+reply's features went to its drafter), so the same prompt again, or a longer one starting with
+it, prefills only the rest.
 
 One thing does not carry over: rows draw from one shared random stream, so a request with a
 seed runs as a batch of its own: it waits for the running rows to finish, no row joins it, and
@@ -20,7 +22,7 @@ batching resumes after it.
 
 import time
 
-from ..batch import model_refusal, request_row
+from ..batch import keep_row, kept_start, model_refusal, request_row
 from ..engine import Loop, Row
 from ..generate import Responses, Session, _as_wrapper, check_request
 from ..generation_lock import clear_streams_at_thread_exit, generation_lock
@@ -226,10 +228,12 @@ class BatchWorker(Worker):
             drafter = self.drafter_for(request)
             row = request_row(drafter, request.prompt, generation, self.eos)
             cached = 0
-            if self.caches is not None and not drafter.capture_layers:  # the Worker's rule
-                kept, cached = self.caches.longest(request.prompt)
-                row.start = (kept.prefix(cached), cached) if cached else None
-                row.on_leave = lambda left, row=row: self._keep(row, *left)
+            if self.caches is not None:
+                features = bool(row.drafter.capture_layers)
+                kept, cached = self.caches.longest(request.prompt, features)
+                row.start = kept_start(kept, request.prompt, features) if cached else None
+                row.on_leave = lambda left, row=row, n=len(request.prompt): \
+                    self._keep(row, n, *left)
             num_draft = generation.num_draft or row.drafter.default_num_draft
             reply = RowReply(job, row, self.tokenizer, self.eos, num_draft,
                              lambda: self.parts.peak_memory_gb(self.model), cached)
@@ -239,13 +243,12 @@ class BatchWorker(Worker):
         self.replies[row] = reply
         self.loop.join(row)
 
-    def _keep(self, row: Row, caches: list, held: int | None) -> None:
+    def _keep(self, row: Row, prompt_length: int, caches: list, held: int | None) -> None:
         """A leaving row's caches (copied out of the batch) kept for its conversation's next
         turn: as a generation's are remembered, cut back to the tokens it committed."""
         kept = self.parts.prompt_cache()
         kept.check_model(self.model)
-        kept.cache = caches
-        kept.remember(row.tokens)
+        keep_row(kept, row, caches, held, prompt_length=prompt_length)
         if kept.tokens:
             self.caches.keep(kept)
 

@@ -35,13 +35,14 @@ class PromptCachePool:
         self._bound()
         return best
 
-    def longest(self, prompt: Sequence[int]) -> tuple[KeptCache | None, int]:
-        """The cache that can start `prompt` with the most of its tokens, and how many,
-        leaving every cache as it is (rows of a batch start from copies: see KeptCache.prefix);
-        it becomes the most recently used."""
+    def longest(self, prompt: Sequence[int], features: bool = False
+                ) -> tuple[KeptCache | None, int]:
+        """The cache that can start `prompt` with the most of its tokens (`features`: and
+        their target features), and how many, leaving every cache as it is (rows of a batch
+        start from copies: see KeptCache.prefix); it becomes the most recently used."""
         best, shared = None, 0
         for cache in self.caches:
-            n = cache.shared(prompt)
+            n = cache.shared(prompt, features)
             if n > shared:
                 best, shared = cache, n
         if best is not None:
@@ -51,9 +52,11 @@ class PromptCachePool:
 
     def keep(self, cache: KeptCache) -> None:
         """A finished row's cache joins the pool as the most recently used; any it extends
-        (the turn it continued, a prompt it repeated) goes."""
+        (the turn it continued, a prompt it repeated) goes, unless it kept features this one
+        lacks."""
         self.caches = [c for c in self.caches
-                       if common_prefix_length(c.tokens, cache.tokens) < len(c.tokens)]
+                       if common_prefix_length(c.tokens, cache.tokens) < len(c.tokens)
+                       or (c.features is not None and cache.features is None)]
         self.caches.append(cache)
         self._bound()
 

@@ -31,8 +31,10 @@ class JoiningRows:
     def __len__(self) -> int:
         return len(self.tickets)
 
-    def add(self, tickets: list[int], bodies: list[list[int]], starts: list[list]) -> None:
-        """Rows to prefill `bodies` on top of `starts` (per row, its single-row caches)."""
+    def add(self, tickets: list[int], bodies: list[list[int]], starts: list[list],
+            features: list | None = None) -> None:
+        """Rows to prefill `bodies` on top of `starts` (per row, its single-row caches), with
+        the features of what those hold (per row, or None) to put before the bodies'."""
         cache = [type(cs[0]).merge(list(cs)) for cs in zip(*starts)]
         if self.cache is None:
             self.cache = cache
@@ -41,7 +43,8 @@ class JoiningRows:
                 joining.extend(new)
         self.tickets += tickets
         self.bodies += [list(b) for b in bodies]
-        self.features += [[] for _ in bodies]
+        self.features += [[f] if f is not None and f.shape[0] else []
+                          for f in features or [None] * len(bodies)]
 
     def step(self, budget: int | None) -> tuple[list[int], list | None, list | None]:
         """Prefill up to about `budget` tokens (None: every row to its end) in chunks; returns

@@ -23,7 +23,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
-from ...engine import Draft, Pass, Verdict
+from ...engine import Draft, Pass, Start, Verdict
 from ...rollback import is_recurrent, restore, snapshot
 from ...sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
@@ -121,23 +121,28 @@ class MLXBatchTarget:
 
     def add(self, prompts: list[list[int]], starts: list | None = None) -> list[int]:
         """New rows start joining, each to be prefilled on all its tokens but the last (the
-        pending one) by `fill`; starts[i], where given, is (single-row caches, n): a kept
-        prompt cache already holding the first n tokens of prompts[i]. Returns a ticket per
-        row, for `fill` to name it by."""
+        pending one) by `fill`; starts[i], where given, is an engine.Start (or a tuple of its
+        fields): a kept prompt cache already holding the first n tokens of prompts[i] (and,
+        for a target capturing features, their features). Returns a ticket per row, for
+        `fill` to name it by."""
         if not prompts:
             return []
-        starts = starts or [None] * len(prompts)
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if self.capture_layers and any(starts):
-            raise ValueError("a row whose drafter reads the prompt's features starts afresh")
-        if any(s is not None and not 0 <= s[1] < len(p) for s, p in zip(starts, prompts)):
+        starts = [None if s is None else Start(*s) for s in starts or [None] * len(prompts)]
+        if any(s is not None and not 0 <= s.length < len(p) for s, p in zip(starts, prompts)):
             raise ValueError("a kept cache holds a prefix of its prompt, never all of it")
+        if self.capture_layers and any(
+                s is not None and (s.features is None or s.features.shape[0] != s.length)
+                for s in starts):
+            raise ValueError("a row whose drafter reads the prompt's features starts from a "
+                             "kept cache only with the features of what it holds")
         tickets = list(range(self._tickets, self._tickets + len(prompts)))
         self._tickets += len(prompts)
-        bodies = [list(p[s[1] if s else 0 : -1]) for p, s in zip(prompts, starts)]
-        self._joining.add(tickets, bodies,
-                          [s[0] if s else make_prompt_cache(self.model) for s in starts])
+        self._joining.add(tickets,
+                          [list(p[s.length if s else 0 : -1]) for p, s in zip(prompts, starts)],
+                          [s.caches if s else make_prompt_cache(self.model) for s in starts],
+                          [s.features if s and self.capture_layers else None for s in starts])
         return tickets
 
     @property
