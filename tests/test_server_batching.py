@@ -236,6 +236,47 @@ def test_a_client_that_leaves_mid_stream_leaves_the_batch(servers):
     assert not server.worker.busy or http("GET", batched.url + "/health").json()["rows"] == 0
 
 
+def test_sixteen_openai_clients_with_disconnects(servers):
+    """16 concurrent clients through the official openai package (loopback, bounded: one
+    request each, timeouts), 4 of them dropping their stream after its first chunks, into a
+    batch of 4 with the rest queued: every reply that finishes is the one-at-a-time server's,
+    and the batch is empty afterwards."""
+    openai = pytest.importorskip("openai")
+    (batched, server), (alone, _) = servers
+    bodies = [{"prompt": prompt(i), "max_tokens": 8 + 3 * (i % 5), "temperature": 0,
+               "drafter": ("lookup", "none")[i % 2]} for i in range(16)]
+    want = [ask(alone, b)["text"] for b in bodies]
+    client = openai.OpenAI(base_url=batched.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    got: list = [None] * len(bodies)
+
+    def one(i):
+        body = dict(bodies[i])
+        extra = {"drafter": body.pop("drafter")}
+        if i % 4 == 3:  # leaves midway
+            stream = client.completions.create(model="tiny", stream=True, extra_body=extra,
+                                               **{**body, "max_tokens": 2000})
+            next(iter(stream))
+            stream.close()
+            return
+        reply = client.completions.create(model="tiny", extra_body=extra, **body)
+        got[i] = reply.choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i % 4 != 3:
+            assert g == w, i
+    deadline = time.time() + 20
+    while server.worker.replies or server.worker.queue_length:
+        assert time.time() < deadline, "the dropped streams did not leave the batch"
+        time.sleep(0.05)
+
+
 def test_a_seeded_request_runs_alone_and_repeats_its_text(servers):
     """A sampled request with a seed waits for the batch to empty and runs by itself, so it
     gives the same text each time, whatever runs around it; unseeded requests around it still
