@@ -77,6 +77,8 @@ class KeptCache:
             return
         self.tokens = list(tokens[:held])
         self._trim_to(len(self.tokens))
+        if self.features is not None and self.features.shape[0] < len(self.tokens):
+            self.features = None  # a generation that kept none (one sequence's) went past them
 
     def _trim_to(self, keep: int) -> None:
         held = self._held() or 0

@@ -262,6 +262,14 @@ def test_feature_drafters_start_from_prompt_caches_with_their_features(tmp_path,
         assert second.token_ids == want
         assert second.cached_tokens == [len(p) - 1 for p in prompts]
         assert first.cached_tokens == [0] * len(prompts)
+    # One sequence's generation keeps no features: the cache it extends no longer lends them.
+    cache = caches[0]
+    list(mlxspec.stream_generate(llama, tiny_tokenizer(12), prompts[0] + [1, 2], 4,
+                                 prompt_cache=cache))
+    assert cache.features is None and len(cache.tokens) > len(prompts[0])
+    again = mlxspec.batch_generate(llama, tiny_tokenizer(12), [prompts[0] + [1, 2]], 4,
+                                   drafter=drafters["eagle3"][1](), prompt_caches=[cache])
+    assert again.cached_tokens == [0]
 
 
 def test_a_batch_of_one_is_the_single_sequence_path(tokenizer):
