@@ -132,15 +132,16 @@ def start_from(row: Row, cache, model) -> int:
     hands its caches back to it when it leaves; returns how many prompt tokens it skips."""
     cache.check_model(model)
     prompt_length = len(row.tokens)
-    row.start = kept_start(cache, row.tokens, bool(row.drafter.capture_layers))
+    features = bool(row.drafter.capture_layers)
+    row.start = kept_start(cache, cache.shared(row.tokens, features), features)
     row.on_leave = lambda left: keep_row(cache, row, *left, prompt_length=prompt_length)
     return row.start.length if row.start else 0
 
 
-def kept_start(cache, prompt: list[int], features: bool) -> Start | None:
-    """A row's Start from `cache` (a KeptCache), None where it holds nothing of `prompt`;
-    `features`: the row's drafter reads target features, which the cache must hold too."""
-    n = cache.shared(prompt, features)
+def kept_start(cache, n: int, features: bool) -> Start | None:
+    """A row's Start from the first n tokens `cache` (a KeptCache) holds (n from its
+    `shared`), None for none; `features`: the row's drafter reads target features, which
+    `shared` found the cache holds too."""
     if not n:
         return None
     return Start(cache.prefix(n), n, cache.features[:n] if features else None)

@@ -231,7 +231,7 @@ class BatchWorker(Worker):
             if self.caches is not None:
                 features = bool(row.drafter.capture_layers)
                 kept, cached = self.caches.longest(request.prompt, features)
-                row.start = kept_start(kept, request.prompt, features) if cached else None
+                row.start = kept_start(kept, cached, features)
                 row.on_leave = lambda left, row=row, n=len(request.prompt): \
                     self._keep(row, n, *left)
             num_draft = generation.num_draft or row.drafter.default_num_draft
