@@ -113,8 +113,6 @@ def assert_caches_match_fresh(model, batch, row, tokens):
                                   "qwen3_5-rerun"])
 def test_rows_verify_and_roll_back_as_the_single_path(case, monkeypatch):
     model = model_and_path(case, monkeypatch)
-    if case != "llama":  # cut the common left padding often, to test that too
-        monkeypatch.setattr(batch_module, "_COMPACT_AT", 3)
     rnd = random.Random(0)
     prompts = {u: [rnd.randrange(VOCAB) for _ in range(n)]
                for u, n in enumerate([5, 11, 1, 3, 8])}

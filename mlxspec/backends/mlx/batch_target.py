@@ -1,18 +1,18 @@
 """The MLX target for many sequences at once (issue #39): one forward pass verifies every row's
 ragged drafts, and each row then rolls back by its own amount.
 
-Rows live in mlx-lm's own batch caches (BatchKVCache for attention, the batch-aware ArraysCache
-for recurrent layers), so joining (`extend`) and leaving (`filter`) are mlx-lm's code paths.
+Rows live in mlx-lm's batch caches: its batch-aware ArraysCache for recurrent layers, and for
+attention its BatchKVCache with an end per row (RaggedKVCache); joining rows are prefilled in
+mlx-lm's own BatchKVCache and then `extend` the batch, leaving rows are `filter`ed out.
 A pass right-pads each row's [pending, drafts] to S = 1 + max K with any token: causal masking
 keeps every real query blind to the pads after it, and the rollback always drops them.
 
-Rolling back row i by drop_i positions: every attention cache trims the common part
-m = min(drop) (its trim is one index shared by all rows), then rolls each row right by
-drop_i - m into its left padding (`prepare(right_padding=...)` + `finalize()`, the path mlx-lm
-takes after a right-padded prefill). A recurrent layer takes each row's state after its last
-kept position: from the state tape where the recurrence runs position by position anyway (the
-CPU), else by re-running the layer on the pass's recorded input from the state before it with
-`ArraysCache.prepare(lengths=keep)`, which stops each row's state at its own length.
+Rolling back row i by drop_i positions: every attention cache (a RaggedKVCache: mlx-lm's
+BatchKVCache with an end per row) moves row i's end back by drop_i, nothing copied, and the
+next pass writes each row after its own end. A recurrent layer takes each row's state after its
+last kept position: from the state tape where the recurrence runs position by position anyway
+(the CPU), else by re-running the layer on the pass's recorded input from the state before it
+with `ArraysCache.prepare(lengths=keep)`, which stops each row's state at its own length.
 
 Rows sample from the global MLX random stream, in row order: there are no per-row seeds.
 """
@@ -29,13 +29,10 @@ from ...sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
 from .batch_prefill import JoiningRows, keep_rows
 from .hidden_states import capture_layer_outputs, concat_features, record_inputs
+from .ragged_cache import RaggedKVCache
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
 from .target import cache_offset, committed_scores, context_length, state_mixers
-
-# Left padding that every row carries (rows that accepted less than others build it up) is cut
-# off once it is this wide: a gather of every attention cache, so not after every pass.
-_COMPACT_AT = 64
 
 
 class _Host(list):
@@ -158,6 +155,8 @@ class MLXBatchTarget:
         tickets, cache, features = self._joining.step(budget)
         if not tickets:
             return []
+        cache = [RaggedKVCache.from_batch(c) if isinstance(c, BatchKVCache) else c
+                 for c in cache]
         if self.cache is None:
             self.cache = cache
         else:
@@ -291,21 +290,11 @@ class MLXBatchTarget:
         drop = [w - k for w, k in zip(last["written"], keeps)]
         if not any(drop):
             return
-        least = min(drop)
-        extra = [d - least for d in drop]
-        rolled = False
         for c in self.cache:
-            if is_recurrent(c):
-                continue
-            c.trim(least)
-            if max(extra):
-                c.prepare(right_padding=extra)
-                c.finalize()
-                rolled = True
+            if not is_recurrent(c):
+                c.drop(drop)
         self._roll_back_states(keeps)
         last["written"], last["held"] = list(keeps), list(keeps)
-        if rolled:
-            self._compact()
 
     def _roll_back_states(self, keeps: list[int]) -> None:
         """Each recurrent layer's state after row i's keeps[i]-th position of the last pass."""
@@ -325,14 +314,6 @@ class MLXBatchTarget:
                 c.prepare(lengths=keeps)
                 module(x, mask=c.make_mask(x.shape[1]), cache=c)
                 c.finalize()
-
-    def _compact(self) -> None:
-        """Cut off the left padding every row carries (one host read of a small array)."""
-        kv = [c for c in self.cache if isinstance(c, BatchKVCache)]
-        if kv and min(kv[0].left_padding.tolist()) >= _COMPACT_AT:
-            index = mx.arange(self._rows)
-            for c in kv:
-                c.filter(index)
 
     def _recurrent(self) -> list:
         return [c for c in self.cache if is_recurrent(c)]
