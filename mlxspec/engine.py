@@ -233,6 +233,19 @@ class Drafter:
         """Propose up to k tokens to follow `tokens` (all committed tokens, pending last)."""
         return EMPTY_DRAFT
 
+    def together(self):
+        """A key shared by the forks that can draft in one call (`propose_together`), e.g.
+        their one drafter model: a batch's rows then draft in one pass of it, its weights read
+        once, not once per row. None: this drafter proposes alone."""
+        return None
+
+    @staticmethod
+    def propose_together(drafters: list["Drafter"], tokens: list[list[int]], ks: list[int],
+                         samplings: list[SamplingConfig]) -> list[Draft]:
+        """Each of `drafters` (forks with one `together` key) proposes as its `propose` would,
+        all in one call."""
+        return [d.propose(t, k, s) for d, t, k, s in zip(drafters, tokens, ks, samplings)]
+
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         """`verdict` was appended; `tokens` is the new committed list (pending last)."""
 
@@ -622,10 +635,31 @@ class Loop:
 
     def _propose(self, row: Row, k: int) -> Draft:
         draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
+        return self._as_verified(row, draft)
+
+    def _as_verified(self, row: Row, draft: Draft) -> Draft:
         if draft.parents is not None and not self.target.holds_trees():
             draft = draft.first_chain()
             row.stats.chain_fallback_steps += 1
         return draft
+
+    def _propose_rows(self, ks: dict[Row, int]) -> dict[Row, Draft]:
+        """Each row's draft of up to ks[row] tokens; rows whose drafters share a `together`
+        key propose in one call."""
+        groups: dict = {}
+        for row, k in ks.items():
+            key = row.drafter.together() if k > 0 else None
+            groups.setdefault(id(row) if key is None else ("together", key), []).append(row)
+        drafts = {}
+        for rows in groups.values():
+            if len(rows) == 1:
+                drafts[rows[0]] = self._propose(rows[0], ks[rows[0]])
+                continue
+            proposed = type(rows[0].drafter).propose_together(
+                [r.drafter for r in rows], [r.tokens for r in rows], [ks[r] for r in rows],
+                [r.sampling for r in rows])
+            drafts.update((r, self._as_verified(r, d)) for r, d in zip(rows, proposed))
+        return drafts
 
     def _launch(self, ks: list[int], pending=None):
         start = time.perf_counter()
@@ -640,8 +674,9 @@ class Loop:
                                        for row, cap in caps.items()])
             found = {row: draft.prefix(width) for row, draft in found.items()}
             ks = [min(width, caps[row]) if row in caps else k for row, k in zip(self.rows, ks)]
-        drafts = [found[row] if row in found else self._propose(row, k)
-                  for row, k in zip(self.rows, ks)]
+        found.update(self._propose_rows({row: k for row, k in zip(self.rows, ks)
+                                         if row not in found}))
+        drafts = [found[row] for row in self.rows]
         if pending is None:
             pending = [row.tokens[-1] for row in self.rows]
         queued = self.target.launch(pending, drafts, [row.sampling for row in self.rows],

@@ -187,6 +187,31 @@ class Attention(nn.Module):
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         queries = rope(queries.transpose(0, 2, 1, 3), offset=start)  # (B, heads, L, head_dim)
         keys, values = self.keys_values(x, rope, start)
+        out = self._attend(queries, keys, values, start, context)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def rows(self, x: mx.array, rope, rows: list[tuple[int, int, tuple | None]]) -> mx.array:
+        """Several sequences' blocks at once, x (B, L, H): row i's block is its first n_i
+        slots, at positions start_i.., attending to its own context, for rows[i] =
+        (start_i, n_i, context_i). The projections run batched (one read of the weights);
+        RoPE and attention run per row, as `__call__` runs them. Slots past n_i are zeros."""
+        B, L, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        outs = []
+        for i, (start, n, context) in enumerate(rows):
+            out = self._attend(rope(queries[i : i + 1, :, :n], offset=start),
+                               rope(keys[i : i + 1, :, :n], offset=start),
+                               values[i : i + 1, :, :n], start, context)
+            outs.append(mx.pad(out, [(0, 0), (0, 0), (0, L - n), (0, 0)]) if n < L else out)
+        out = mx.concatenate(outs)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _attend(self, queries, keys, values, start: int, context: tuple | None) -> mx.array:
+        """Rotated block queries/keys/values (B, heads, L, head_dim) attending to
+        [context ; block] -> (B, heads, L, head_dim)."""
+        L = queries.shape[2]
         num_ctx = 0
         if context is not None:
             ctx_keys, ctx_values = context
@@ -197,10 +222,9 @@ class Attention(nn.Module):
             keys = mx.concatenate([ctx_keys, keys], axis=2)
             values = mx.concatenate([ctx_values, values], axis=2)
         mask = block_mask(start, num_ctx, L, causal=self.is_causal, window=self.window)
-        out = mx.fast.scaled_dot_product_attention(
+        return mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=self.scale, mask=mask
         )
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 def block_mask(start: int, num_ctx: int, length: int, *, causal: bool, window: int | None):
@@ -263,6 +287,10 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), rope, start, context)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def rows(self, x, rope, rows):
+        h = x + self.self_attn.rows(self.input_layernorm(x), rope, rows)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class DFlashModel(nn.Module):
     """The drafter. `own_embed`/`own_head`: the checkpoint carries embed_tokens/lm_head."""
@@ -303,6 +331,18 @@ class DFlashModel(nn.Module):
         for layer, c in zip(self.layers, cache):
             context = c.keys_and_values() if c.offset else None
             h = layer(h, self.rope, start, context)
+        return self.norm(h)
+
+    def rows(self, embeddings: mx.array, caches: list[list[KVCache]],
+             lengths: list[int]) -> mx.array:
+        """Several sequences' blocks in one pass: embeddings (B, L, H), row i's block its first
+        lengths[i] slots after its own context caches[i] -> normed hidden (B, L, H), each row
+        as `__call__` would give it alone (slots past lengths[i] are not)."""
+        h = embeddings.astype(self.dtype)
+        for j, layer in enumerate(self.layers):
+            rows = [(c[j].offset, n, c[j].keys_and_values() if c[j].offset else None)
+                    for c, n in zip(caches, lengths)]
+            h = layer.rows(h, self.rope, rows)
         return self.norm(h)
 
     def compute_logits(self, hidden: mx.array, head) -> mx.array:

@@ -157,6 +157,29 @@ def test_context_cache_equals_fresh_build(target, drafter_dir):
             assert mx.allclose(a, b, atol=1e-4).item()
 
 
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_rows_of_a_batch_draft_in_one_pass_as_each_alone(target, drafter_dir, block_size):
+    """propose_together: forks at different context lengths (a one-token prompt with none at
+    all; the sliding layer's window cut in some and not others) asking for different K draft
+    in one pass what each drafts alone, and keep their own contexts."""
+    drafter = load_dflash_drafter(drafter_dir, model=target, block_size=block_size)
+    prompts = [PROMPTS[2], PROMPTS[3], PROMPTS[0], PROMPTS[1]]
+    ks = [5, 2, 9, 1]
+    forks, alone = [drafter.fork() for _ in prompts], [drafter.fork() for _ in prompts]
+    assert len({f.together() for f in forks}) == 1 and forks[0].together() is not None
+    for prompt, f, a in zip(prompts, forks, alone):
+        features = MLXTarget(target, capture_layers=drafter.capture_layers).prefill(prompt)
+        f.begin(prompt, features)
+        a.begin(prompt, features)
+    together = DFlashDrafter.propose_together(forks, prompts, ks, [GREEDY] * len(ks))
+    for prompt, draft, k, a, f in zip(prompts, together, ks, alone, forks):
+        want = a.propose(prompt, k, GREEDY)
+        assert len(draft) == min(k, drafter.block_size - 1)
+        assert draft.tokens.tolist() == want.tokens.tolist()
+        assert f.context_length == len(prompt) - 1
+    assert len(DFlashDrafter.propose_together(forks[:1], prompts[:1], [0], [GREEDY])[0]) == 0
+
+
 def test_rolled_back_tokens_trim_the_context(target, drafter_dir):
     drafter = load_dflash_drafter(drafter_dir, model=target)
     tokens = [1, 2, 3, 4, 5, 6, 7]

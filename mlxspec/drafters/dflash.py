@@ -176,7 +176,34 @@ class DFlashDrafting(Drafter):
 
 
 class DFlashDrafter(DFlashDrafting):
-    """DFlash on MLX: a chain reads nothing back to the host."""
+    """DFlash on MLX: a chain reads nothing back to the host, and the rows of a batch draft
+    their chains in one drafter pass (`propose_together`)."""
+
+    def together(self):
+        return None if self.tree_budget is not None else id(self.model)
+
+    @staticmethod
+    def propose_together(drafters, tokens, ks, samplings):
+        """Every row's block in one pass of the drafter: the rows' blocks right-padded to the
+        longest, each attending to its own context (DFlashModel.rows), then one head."""
+        first = drafters[0]
+        sizes = [max(min(k, d.block_size - 1), 0) for d, k in zip(drafters, ks)]
+        if not any(sizes):
+            return [EMPTY_DRAFT] * len(drafters)
+        for d, t in zip(drafters, tokens):
+            d._rewind(len(t) - 1)
+        width = 1 + max(sizes)
+        mask = first.args.mask_token_id
+        blocks = mx.array([[t[-1]] + [mask] * (width - 1) for t in tokens], dtype=mx.int32)
+        embeddings = first.embed_tokens(blocks) * first.args.input_embedding_scale
+        hidden = first.model.rows(embeddings, [d.cache for d in drafters],
+                                  [1 + n for n in sizes])[:, 1:]
+        best = first._best(first.model.compute_logits(first._in_head_dtype(hidden),
+                                                      first.lm_head))  # (rows, width - 1)
+        if first.draft_ids is not None:
+            best = first.draft_ids[best]
+        return [Draft(tokens=best[i, :n]) if n > 0 else EMPTY_DRAFT
+                for i, n in enumerate(sizes)]
 
     def _ids(self, tokens: list[int]) -> mx.array:
         return mx.array(tokens, dtype=mx.int32)[None]
