@@ -63,7 +63,11 @@ def cache_length(cache) -> int:
 
 
 def can_crop(cache) -> bool:
-    """Whether cropping puts the cache back exactly (sliding-window layers cannot)."""
+    """Whether cropping puts the cache back exactly (sliding-window layers cannot, nor recurrent
+    ones: transformers 5.25 calls them croppable, yet crops them only while they record their
+    past, which mlxspec never asks for: it restores them from a snapshot instead)."""
+    if recurrent_layers(cache):
+        return False
     croppable = getattr(cache, "is_croppable", None)
     if croppable is not None:
         return bool(croppable)
@@ -95,8 +99,16 @@ def layers_that_cannot_roll_back(cache) -> list[str]:
     layers = getattr(cache, "layers", None)
     if layers is None:  # a cache without per-layer objects: it crops as a whole, or not at all
         return [] if can_crop(cache) else [type(cache).__name__]
-    return sorted({type(layer).__name__ for layer in layers if not (
-        holds_recurrent_state(layer) or getattr(layer, "is_croppable", True))})
+    return sorted({type(layer).__name__ for layer in layers if not rolls_back(layer)})
+
+
+def rolls_back(layer) -> bool:
+    """A recurrent layer restores from a snapshot; a layer with a recurrent state and keys
+    neither restores nor crops (transformers 5.25 calls it croppable, but only while it
+    records its past); any other crops where it says it can."""
+    if holds_recurrent_state(layer):
+        return True
+    return not hasattr(layer, "recurrent_states") and getattr(layer, "is_croppable", True)
 
 
 def holds_trees(cache, model) -> bool:
@@ -170,24 +182,33 @@ def committed_scores(logits, drafts, scored_at, next_row, next_token, sampling: 
 
 def snapshot(layers: list) -> list:
     """Copies of the recurrent layers' states (they are updated in place, so a reference would
-    not do), with whether each had seen any token yet."""
+    not do), with whether each had seen any token yet, and the tokens each has counted
+    (transformers 5.25 counts them per linear-attention layer, and a hybrid cache's
+    get_seq_length may read that count)."""
     return [
-        {i: (layer.has_previous_state[i],
-             None if layer.conv_states[i] is None else layer.conv_states[i].clone(),
-             None if layer.recurrent_states[i] is None else layer.recurrent_states[i].clone())
-         for i in layer.conv_states}
+        ({i: (layer.has_previous_state[i],
+              None if layer.conv_states[i] is None else layer.conv_states[i].clone(),
+              None if layer.recurrent_states[i] is None else layer.recurrent_states[i].clone())
+          for i in layer.conv_states},
+         _cloned(getattr(layer, "cumulative_length_linear", None)))
         for layer in layers
     ]
 
 
 def restore(layers: list, states: list) -> None:
-    for layer, saved in zip(layers, states):
+    for layer, (saved, length) in zip(layers, states):
         for i, (seen, conv, recurrent) in saved.items():
             layer.has_previous_state[i] = seen  # False: the next pass starts the state afresh
             if conv is not None:
                 layer.conv_states[i] = conv
             if recurrent is not None:
                 layer.recurrent_states[i] = recurrent
+        if length is not None:
+            layer.cumulative_length_linear.copy_(length)
+
+
+def _cloned(tensor):
+    return None if tensor is None else tensor.clone()
 
 
 def decoder_layers(model) -> list:
