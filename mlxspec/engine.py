@@ -249,6 +249,11 @@ class Drafter:
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         """`verdict` was appended; `tokens` is the new committed list (pending last)."""
 
+    def end(self, tokens: list[int]) -> None:
+        """The sequence is over (it stopped, ran out of tokens, was cancelled, or its caller
+        stopped reading): `tokens` is all it committed. A drafter that learns from one sequence
+        for the next (suffix decoding's shared history) keeps what it wants of it."""
+
     def draft_policy(self, max_k: int, greedy: bool) -> "AdaptiveDraftLength":
         """The adaptive-K policy for this drafter, kept across generations: acceptance per
         position and step timings carry over from one prompt (or chat turn) to the next, so a
@@ -596,6 +601,7 @@ class Loop:
         none does): only between passes (no pass queued over the old rows)."""
         gone = [i for i, row in enumerate(self.rows) if row.finished]
         for i in gone:
+            self.rows[i].drafter.end(self.rows[i].tokens)
             if self.rows[i].on_leave is not None:
                 self.rows[i].on_leave(self.target.row_cache(i))
         if gone:
@@ -769,6 +775,8 @@ class Loop:
             if self.step is not None:
                 self.target.trim(self.step.num_drafts)
                 self.step = None
+            for row in self.rows:  # rows that left ended then; these end now
+                row.drafter.end(row.tokens)
 
     def _time_step(self, seconds: float, chained: bool) -> None:
         """Record the step just read in the batch's budget. A plain pass queued ahead is

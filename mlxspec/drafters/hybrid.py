@@ -59,6 +59,10 @@ class LookupFirstDrafter(Drafter):
         self.model_drafter.commit(tokens, verdict)
         self._tokens = tokens
 
+    def end(self, tokens: list[int]) -> None:
+        self.lookup.end(tokens)
+        self.model_drafter.end(tokens)
+
     def draft_policy(self, max_k: int, greedy: bool) -> "PerSourceDraftLength":
         policies = self.__dict__.setdefault("_draft_policies", {})
         key = (max_k, greedy)

@@ -18,6 +18,7 @@ from ..engine import Drafter, PlainDecoding
 from ..tree import MAX_TREE_BUDGET
 from .hybrid import LookupFirstDrafter
 from .lookup import PromptLookupDrafter
+from .suffix import SuffixDrafter
 
 Factory = Callable[..., Drafter]  # (path, *, model, tokenizer, **options) -> a Drafter
 
@@ -282,6 +283,25 @@ register(DrafterKind(
         "branches", "--lookup-branches", type=int, default=1, minimum=1,
         help="Prompt lookup: propose the continuations of up to N earlier matches as one tree "
              "(shared prefixes merged), verified in one pass."),),
+))
+register(DrafterKind(
+    "suffix", host_only(SuffixDrafter),  # also max_nodes and a shared history through the API
+    options=(
+        DrafterOption(
+            "depth", "--suffix-depth", type=int, default=24, minimum=2, maximum=256,
+            help="Suffix decoding: the longest token window counted (a match and its draft "
+                 "together)."),
+        DrafterOption(
+            "spec_factor", "--suffix-spec-factor", type=float, default=1.0,
+            help="Suffix decoding: draft at most this many tokens per matched token."),
+        DrafterOption(
+            "min_prob", "--suffix-min-prob", type=float, default=0.1, minimum=0, maximum=1,
+            help="Suffix decoding: draft a path only while its frequency is at least this."),
+        DrafterOption(
+            "tree", "--suffix-tree/--suffix-chain", default=False,
+            help="Suffix decoding: draft the likeliest continuations as one tree (default: "
+                 "the likeliest chain)."),
+    ),
 ))
 register(DrafterKind(
     "draft",
