@@ -545,11 +545,14 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
                 continue
             options = {**_options_for(name, drafter_flags), **own}
             key = (name, tuple(sorted(options.items())))
-            if key not in made:
-                made[key] = mlxspec.load_drafter(
+            drafter = made.get(key)
+            if drafter is None or drafter.remembers:  # one that learns from each request is
+                # each label's own: suffix@8 must not draft from suffix's reply to the prompt
+                drafter = mlxspec.load_drafter(
                     name, paths.get(registry.drafter_kind(name).model_name), model=target,
                     tokenizer=tokenizer, **options)
-            built[label] = made[key]
+                made.setdefault(key, drafter)
+            built[label] = drafter
         lm_draft = None
         if with_mlx_lm:
             ours = next((d for (name, _), d in made.items() if name == "draft"), None)

@@ -303,6 +303,9 @@ def run_benchmark(
     results, comparisons = [], []
     for suite, prompts in prompts_by_suite.items():
         for temp in temps:
+            for drafter in drafters.values():  # what one suite taught stays out of the next
+                if drafter is not None:
+                    drafter.forget()
             row = {(e, n): RunResult(e, n, suite, temp) for e, n, _ in configs}
             for i, prompt in enumerate(prompts):
                 for engine, name, run in configs:

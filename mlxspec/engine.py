@@ -249,6 +249,13 @@ class Drafter:
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
         """`verdict` was appended; `tokens` is the new committed list (pending last)."""
 
+    # Learns from one sequence for the next (suffix decoding's history): a benchmark gives each
+    # of its configurations its own, and `forget`s between its suites.
+    remembers = False
+
+    def forget(self) -> None:
+        """Drop what was learnt from earlier sequences (a benchmark's fresh start)."""
+
     def end(self, tokens: list[int]) -> None:
         """The sequence is over (it stopped, ran out of tokens, was cancelled, or its caller
         stopped reading): `tokens` is all it committed. A drafter that learns from one sequence

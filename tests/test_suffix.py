@@ -287,3 +287,33 @@ def test_the_same_drafts_as_arctic_inference_from_the_same_requests():
     assert chains > 300 and trees > 300
     print(f"\nchains {chains}, trees {trees}, identical trees {same_trees}")
     assert same_trees >= 0.95 * trees, (same_trees, trees)
+
+
+def test_forget_starts_an_empty_history():
+    drafter = SuffixDrafter()
+    drafter.history.add([1, 2, 3, 4])
+    fork = drafter.fork()
+    drafter.forget()
+    assert drafter.history.trie.nodes == 1 and fork.history is not drafter.history
+    assert drafter.fork().history is drafter.history
+
+
+@pytest.mark.slow  # loads the real model through the CLI
+def test_bench_gives_each_suffix_label_its_own_history(monkeypatch):
+    """`bench --drafters suffix,suffix@4`: one label's replies must not draft the other's (the
+    same prompt runs under both), unlike drafters that keep nothing across requests."""
+    import mlxspec.bench
+    from test_cli import invoke
+
+    seen = {}
+
+    def fake_run_benchmark(*args, drafters, **kwargs):
+        seen.update(drafters)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(mlxspec.bench, "run_benchmark", fake_run_benchmark)
+    invoke("bench", "--drafters", "suffix,suffix@4,lookup,lookup@4", "--no-mlx-lm",
+           "--suite", "copy", "--limit", "1")
+    assert seen["suffix"] is not seen["suffix@4"]
+    assert seen["suffix"].history is not seen["suffix@4"].history
+    assert seen["lookup"] is seen["lookup@4"]

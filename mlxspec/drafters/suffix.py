@@ -260,6 +260,7 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     default_num_draft = 16
     max_draft = 64  # drafting costs no model call, but each draft is verified
+    remembers = True
 
     def __init__(self, depth: int = 24, spec_factor: float = 1.0, min_prob: float = 0.1,
                  tree: bool = False, max_nodes: int = 1_000_000,
@@ -278,6 +279,10 @@ class SuffixDrafter(Drafter):
         self._request: SuffixTrie | None = None
         self._reply: int | None = None  # this request's id in the history
         self._held = 0
+
+    def forget(self) -> None:
+        """A new, empty history (forks made from now on share it)."""
+        self.history = SuffixHistory(self.depth, self.history.max_nodes)
 
     def fork(self) -> "SuffixDrafter":
         twin = super().fork()
