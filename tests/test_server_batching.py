@@ -417,3 +417,26 @@ def test_real_model_concurrent_lookup_requests_equal_each_alone(smollm_servers):
     for g, w in zip(got, want):
         same_reply(g, w)
     assert max(seen) == 4
+
+
+@pytest.mark.parametrize("max_batch", [4, 1])
+def test_suffix_requests_draft_from_earlier_replies(tiny, max_batch):
+    """`--drafter suffix` in the server: the forks of the server's one drafter share its
+    history, so a request asked again drafts from the first reply (most drafts accepted), and
+    gets the same text; batched and one at a time."""
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, drafter="suffix", model_id="tiny",
+                         max_batch=max_batch)
+    running = Running(server)
+    try:
+        body = {"messages": [{"role": "user", "content": prompt(21)}], "max_tokens": 24,
+                "temperature": 0}
+        first, again = ask(running, body), ask(running, body)
+        same_reply(again, first)
+        details = again["usage"]["completion_tokens_details"]
+        accepted, rejected = (details[f"{k}_prediction_tokens"] for k in ("accepted", "rejected"))
+        assert accepted >= 8 and accepted >= 3 * rejected
+        assert again["usage"]["mlxspec"]["target_passes"] < \
+            first["usage"]["mlxspec"]["target_passes"]
+    finally:
+        running.stop()
