@@ -176,16 +176,24 @@ class Attention(nn.Module):
 
     def keys_values(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
         """(B, L, H) -> rotated keys and values, each (B, kv_heads, L, head_dim)."""
+        keys, values = self._keys_values(x)
+        return rope(keys, offset=offset), values
+
+    def _keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(B, L, H) -> keys (not yet rotated) and values, each (B, kv_heads, L, head_dim)."""
         B, L, _ = x.shape
         keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        keys = rope(keys.transpose(0, 2, 1, 3), offset=offset)
-        return keys, values.transpose(0, 2, 1, 3)
+        return keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+
+    def _queries(self, x: mx.array) -> mx.array:
+        """(B, L, H) -> queries (not yet rotated), (B, heads, L, head_dim)."""
+        B, L, _ = x.shape
+        return self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
 
     def __call__(self, x: mx.array, rope, start: int, context: tuple | None) -> mx.array:
         B, L, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
-        queries = rope(queries.transpose(0, 2, 1, 3), offset=start)  # (B, heads, L, head_dim)
+        queries = rope(self._queries(x), offset=start)
         keys, values = self.keys_values(x, rope, start)
         out = self._attend(queries, keys, values, start, context)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -196,9 +204,8 @@ class Attention(nn.Module):
         (start_i, n_i, context_i). The projections run batched (one read of the weights);
         RoPE and attention run per row, as `__call__` runs them. Slots past n_i are zeros."""
         B, L, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self._queries(x)
+        keys, values = self._keys_values(x)
         outs = []
         for i, (start, n, context) in enumerate(rows):
             out = self._attend(rope(queries[i : i + 1, :, :n], offset=start),

@@ -149,9 +149,20 @@ class DFlashDrafting(Drafter):
         running over the draft vocabulary when there is one."""
         self._rewind(len(tokens) - 1)
         block = self._ids([tokens[-1]] + [self.args.mask_token_id] * num_draft)  # (1, L)
-        embeddings = self.embed_tokens(block) * self.args.input_embedding_scale  # (1, L, H)
-        hidden = self.model(embeddings, self.cache)[:, 1:]
-        return self.model.compute_logits(self._in_head_dtype(hidden), self.lm_head)[0]
+        return self._slot_logits(self.model(self._embed(block), self.cache))[0]
+
+    def _embed(self, blocks):
+        """Block token ids (B, L) -> the drafter's input embeddings (B, L, H)."""
+        return self.embed_tokens(blocks) * self.args.input_embedding_scale
+
+    def _slot_logits(self, hidden):
+        """The drafter's hidden states over whole blocks (B, L, H) -> logits of slots 1.. (B,
+        L - 1, V), V the draft vocabulary when there is one."""
+        return self.model.compute_logits(self._in_head_dtype(hidden[:, 1:]), self.lm_head)
+
+    def _target_ids(self, best):
+        """Best rows of the head -> target token ids (through the draft vocabulary)."""
+        return best if self.draft_ids is None else self.draft_ids[best]
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         # Fewer drafts than the block holds shrink the block, as z-lab does near max_tokens.
@@ -160,8 +171,7 @@ class DFlashDrafting(Drafter):
             return EMPTY_DRAFT
         if self.tree_budget is not None:
             return self._propose_tree(tokens, num_draft, k)
-        drafts = self._best(self.block_logits(tokens, num_draft))
-        return Draft(tokens=drafts if self.draft_ids is None else self.draft_ids[drafts])
+        return Draft(tokens=self._target_ids(self._best(self.block_logits(tokens, num_draft))))
 
     def _propose_tree(self, tokens: list[int], slots: int, budget: int) -> Draft:
         """The block's slots' best tokens, read to the host (the tree's shape depends on their
@@ -195,13 +205,9 @@ class DFlashDrafter(DFlashDrafting):
         width = 1 + max(sizes)
         mask = first.args.mask_token_id
         blocks = mx.array([[t[-1]] + [mask] * (width - 1) for t in tokens], dtype=mx.int32)
-        embeddings = first.embed_tokens(blocks) * first.args.input_embedding_scale
-        hidden = first.model.rows(embeddings, [d.cache for d in drafters],
-                                  [1 + n for n in sizes])[:, 1:]
-        best = first._best(first.model.compute_logits(first._in_head_dtype(hidden),
-                                                      first.lm_head))  # (rows, width - 1)
-        if first.draft_ids is not None:
-            best = first.draft_ids[best]
+        hidden = first.model.rows(first._embed(blocks), [d.cache for d in drafters],
+                                  [1 + n for n in sizes])
+        best = first._target_ids(first._best(first._slot_logits(hidden)))  # (rows, width - 1)
         return [Draft(tokens=best[i, :n]) if n > 0 else EMPTY_DRAFT
                 for i, n in enumerate(sizes)]
 
