@@ -32,10 +32,12 @@ POSITIVE = click.IntRange(min=1)  # a count: 0 or -1 would mean "none" or "all",
 def decoding_options(f):
     options = [
         click.option("--drafter", type=DrafterChoice(), default="none", show_default=True,
-                     help="Source of draft tokens for speculative decoding; X+lookup drafts by "
-                          "prompt lookup where it finds a match and by X elsewhere."),
+                     help="Source of draft tokens for speculative decoding; X+lookup (X+suffix) "
+                          "drafts by prompt lookup (suffix decoding) where it finds a match and "
+                          "by X elsewhere."),
         click.option("--draft-model", "--drafter-model", "draft_model", default=None,
-                     help="The checkpoint of a model drafter (and of its +lookup form): "
+                     help="The checkpoint of a model drafter (and of its +lookup and +suffix "
+                          "forms): "
                           + "; ".join(f"--drafter {k.name}: {_checkpoint_help(k)}"
                                       for k in registry.model_drafters()) + "."),
         *_drafter_option_flags(),

@@ -36,7 +36,8 @@ def _model_id(model: str | None) -> str:
 @shared([
     click.option("--drafter", type=DrafterChoice(), default="none", show_default=True,
                  help="The drafter of requests that name none (their body's \"drafter\"); "
-                      "requests may choose none, lookup, this one or its +lookup form."),
+                      "requests may choose none, lookup, suffix, this one or its +lookup and "
+                      "+suffix forms."),
     click.option("--draft-model", "--drafter-model", "draft_model", default=None,
                  help="The checkpoint of a model drafter (as for generate)."),
     *_drafter_option_flags(),

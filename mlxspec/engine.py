@@ -378,7 +378,19 @@ class AdaptiveDraftLength:
             self.idle_steps += 1
             if self.idle_steps >= self.probe_every:
                 self.idle_steps, best_k = 0, 1
+        self.last_k = best_k
         return best_k
+
+    last_k = 1  # the K last chosen
+
+    def expected_accepted(self) -> float:
+        """Drafts a step at the last chosen K is expected to have accepted (what a copier's
+        draft is weighed against in front of a model drafter: CopyFirstDrafter)."""
+        expected, reach = 0.0, 1.0
+        for rate in self.conditional[: self.last_k]:
+            reach *= rate
+            expected += reach
+        return expected
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         # Position i was "reached" if all before it were accepted; it counts only then.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .bench import SUITES, chat_prompt, fixed_k
-from .drafters import DraftModelDrafter, LookupFirstDrafter, load_drafter, registry
+from .drafters import CopyFirstDrafter, DraftModelDrafter, load_drafter, registry
 from .generate import encode_prompt, stream_request
 from .intervals import paired_ratio
 from .request import Request
@@ -70,15 +70,19 @@ TINY_MODELS = {
 
 def tiny_drafter(kind: str, target, seed: int = 1):
     """A registered drafter `kind` for the tiny target: as the registry builds it when it loads
-    no checkpoint; else with random weights, behind prompt lookup for an "X+lookup" kind."""
+    no checkpoint; else with random weights, behind its copier for an "X+lookup" or "X+suffix"
+    kind."""
     entry = registry.drafter_kind(kind)
     if entry.checkpoint is None:
         return load_drafter(kind, model=target, tokenizer=None)
     if entry.model_name not in TINY_MODELS:
         raise ValueError(f"no tiny {kind!r} drafter; choose from the drafters that load no "
-                         f"checkpoint, {', '.join(TINY_MODELS)} and their +lookup forms")
+                         f"checkpoint, {', '.join(TINY_MODELS)} and their +lookup and +suffix forms")
     drafter = TINY_MODELS[entry.model_name](target, seed)
-    return LookupFirstDrafter(drafter) if entry.base is not None else drafter
+    if entry.base is None:
+        return drafter
+    copier = load_drafter(kind.removeprefix(f"{entry.base}+"), model=target, tokenizer=None)
+    return CopyFirstDrafter(drafter, copier)
 
 
 @dataclass

@@ -167,7 +167,7 @@ def test_lookup_first_keeps_one_adaptive_policy_per_source():
             copying[0] = copies
             k = policy.next_k()
             policy.update(k, min(accepted, k), 1.0 + 0.05 * k)
-    assert min(policy.lookup.conditional) > 0.9 and policy.model.conditional[0] < 0.3
+    assert min(policy.copier.conditional) > 0.9 and policy.model.conditional[0] < 0.3
     copying[0] = True
     assert policy.next_k() == 8
     copying[0] = False

@@ -93,15 +93,66 @@ def test_every_kind_builds_from_the_api(tiny, checkpoints):
         mlxspec.load_drafter("hydra", model=model, tokenizer=tokenizer)
 
 
-def test_lookup_forms_are_derived_for_model_drafters():
+def test_copy_first_forms_are_derived_for_model_drafters():
     kinds = registry.drafter_kinds()
     models = [k.name for k in registry.model_drafters()]
-    assert list(kinds) == [*registry._REGISTERED, *(f"{m}+lookup" for m in models)]
+    assert list(kinds) == [*registry._REGISTERED, *(f"{m}+lookup" for m in models),
+                           *(f"{m}+suffix" for m in models)]
     for m in models:
-        combined = kinds[f"{m}+lookup"]
-        assert (combined.model_name, combined.options, combined.checkpoint) == (
-            m, kinds[m].options, kinds[m].checkpoint)
-    assert "lookup+lookup" not in kinds and "none+lookup" not in kinds  # no checkpoint, no form
+        for copier in ("lookup", "suffix"):
+            combined = kinds[f"{m}+{copier}"]
+            assert (combined.model_name, combined.options, combined.checkpoint) == (
+                m, kinds[m].options + kinds[copier].options, kinds[m].checkpoint)
+    for name in ("lookup+lookup", "none+lookup", "suffix+lookup", "lookup+suffix"):
+        assert name not in kinds  # no checkpoint, no form
+
+
+def test_a_copy_first_form_takes_its_copier_s_options_and_its_model_s(tiny, checkpoints):
+    from mlxspec.drafters.suffix import SuffixDrafter
+
+    model, tokenizer = tiny
+    drafter = mlxspec.load_drafter("dflash+suffix", checkpoints["dflash"], model=model,
+                                   tokenizer=tokenizer, depth=8, min_prob=0.3, tree=True,
+                                   block_size=2)
+    assert isinstance(drafter.copier, SuffixDrafter)
+    assert (drafter.copier.depth, drafter.copier.min_prob, drafter.drafts_trees) == (8, 0.3, True)
+    assert drafter.model_drafter.name == "dflash" and drafter.model_drafter.max_draft == 1
+    assert drafter.remembers and drafter.fork().copier.history is drafter.copier.history
+    lookup = mlxspec.load_drafter("draft+lookup", checkpoints["draft"], model=model,
+                                  tokenizer=tokenizer, branches=3)
+    assert lookup.copier.branches == 3 and not lookup.remembers
+    r = invoke("generate", "--model", str(checkpoints["draft"]), "--drafter", "draft+lookup",
+               "--draft-model", str(checkpoints["draft"]), "--suffix-depth", "8", "--prompt", "hi")
+    assert r.exit_code != 0 and "only applies to --drafter suffix" in r.output
+
+
+def test_a_server_offers_each_copier_in_front_of_its_model_drafter(tiny, checkpoints):
+    """`serve --drafter draft+suffix --suffix-depth 8`: requests may name suffix, lookup, draft
+    and both its copy-first forms; the suffix copier is the server's one suffix drafter, with
+    the options given, so every request drafting from replies shares one history."""
+    from test_server import Running
+    from test_server_batching import ask
+
+    from mlxspec.server import make_server
+
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, drafter="draft+suffix", model_id="tiny",
+                         draft_model=str(checkpoints["draft"]), depth=8)
+    running = Running(server)
+    try:
+        for name in ("draft+suffix", "suffix", "draft+lookup", "draft"):
+            reply = ask(running, {"prompt": "one two three", "max_tokens": 4, "temperature": 0,
+                                  "drafter": name})
+            assert reply["usage"]["mlxspec"]["drafter"] == name
+        drafters = server.worker.drafters
+        assert set(drafters) == {"none", "lookup", "suffix", "draft", "draft+lookup",
+                                 "draft+suffix"}
+        assert drafters["draft+suffix"].copier is drafters["suffix"]
+        assert drafters["suffix"].depth == 8 and len(drafters["suffix"].history.replies) == 2
+        assert drafters["draft+lookup"].copier is drafters["lookup"]
+        assert drafters["draft+lookup"].model_drafter is drafters["draft"]
+    finally:
+        running.stop()
 
 
 def test_missing_checkpoint_message_names_the_model_drafter(tiny):
@@ -238,6 +289,8 @@ def test_the_mlx_path_imports_no_torch(smollm_dir):
     ("dflash:full-vocab:tree-width=2", ("dflash", {"draft_vocab": False, "tree_width": 2})),
     ("lookup:lookup-branches=3", ("lookup", {"branches": 3})),
     ("dflash+lookup:block-size=8@4", ("dflash+lookup", {"block_size": 8})),
+    ("dflash+suffix:suffix-tree:block-size=8", ("dflash+suffix", {"tree": True, "block_size": 8})),
+    ("draft+lookup:lookup-branches=2", ("draft+lookup", {"branches": 2})),
 ])
 def test_bench_labels_carry_a_drafters_own_options(label, parsed):
     assert registry.parse_label(label) == parsed

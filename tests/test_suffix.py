@@ -183,6 +183,35 @@ def test_wrong_continuations_in_the_history_change_nothing(target, tree):
         assert 0 < stats.accepted < stats.drafted  # some drafts right, some rejected
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_model_drafter_behind_suffix_drafts_where_no_reply_matches(target, adaptive):
+    """draft+suffix: wrong continuations planted for one prompt; the suffix copier drafts where
+    the history matches and the draft model elsewhere, and the output equals plain."""
+    from mlxspec.overhead import tiny_drafter
+
+    drafter = tiny_drafter("draft+suffix", target)
+    assert drafter.name == "draft+suffix" and drafter.remembers
+    drafted = {"copier": 0, "model": 0}
+    for part, key in ((drafter.copier, "copier"), (drafter.model_drafter, "model")):
+        def counted(*args, _propose=part.propose, _key=key):
+            draft = _propose(*args)
+            drafted[_key] += len(draft.tokens)
+            return draft
+        part.propose = counted
+    rnd = random.Random(5)
+    prompts = [[rnd.randrange(16) for _ in range(n)] for n in (4, 7)]
+    plain, _ = run(target, Drafter(), prompts[0])
+    for at in (4, 11, 18):
+        spoiled = list(plain)
+        spoiled[at] = (spoiled[at] + 1) % 16
+        drafter.copier.history.add(prompts[0][-2:] + spoiled)
+    for prompt in prompts:
+        out, stats = run(target, drafter, prompt, adaptive=adaptive)
+        assert out == run(target, Drafter(), prompt)[0]
+        assert 0 < stats.accepted < stats.drafted
+    assert drafted["copier"] > 0 and drafted["model"] > 0, drafted
+
+
 def test_a_finished_generation_teaches_the_next(target):
     """The same prompt twice through the API: the first reply, kept in the drafter's history,
     drafts the second, which then needs half the target passes or fewer; both equal plain."""

@@ -288,7 +288,7 @@ def test_a_tree_budget_is_chosen_by_throughput(target):
     assert isinstance(tree.draft_policy(8, True), TreeBudget)
     both = LookupFirstDrafter(PromptLookupDrafter(), PromptLookupDrafter(branches=2))
     policy = both.draft_policy(8, True)
-    assert isinstance(policy.lookup, TreeBudget) and isinstance(policy.model, AdaptiveDraftLength)
+    assert isinstance(policy.copier, TreeBudget) and isinstance(policy.model, AdaptiveDraftLength)
     assert not PromptLookupDrafter().drafts_trees
     stats = SpecStats()
     out = [t for t, _ in speculative_tokens(

@@ -3,11 +3,11 @@
 from ..backends import backend_for
 from ..engine import Drafter, PlainDecoding
 from .draft_model import DraftModelDrafter
-from .hybrid import LookupFirstDrafter
+from .hybrid import CopyFirstDrafter, LookupFirstDrafter
 from .lookup import PromptLookupDrafter
 from .registry import drafter_kind, drafter_names
 
-__all__ = ["DraftModelDrafter", "LookupFirstDrafter", "PromptLookupDrafter", "load_drafter",
+__all__ = ["CopyFirstDrafter", "DraftModelDrafter", "LookupFirstDrafter", "PromptLookupDrafter", "load_drafter",
            "resolve_drafter"]
 
 
@@ -25,8 +25,9 @@ def load_drafter(kind: str, path: str | None = None, *, model, tokenizer, **opti
     "dflash" (path: a DFlash drafter checkpoint for this target; default: the one shipped for it;
     options: block_size, draft_vocab), "eagle3", "mtp", "medusa" (path: Medusa heads trained
     for this target; default: the ones shipped for it), "layerskip" (no path; option:
-    exit_layer), or "X+lookup" for a model drafter X drafts by prompt lookup where it finds a
-    match and by that model elsewhere (path and options are the model's); or any other kind in
+    exit_layer), or "X+lookup" / "X+suffix" for a model drafter X drafts by prompt lookup
+    (suffix decoding) where it finds a match and by that model elsewhere (path is the model's;
+    options are either one's); or any other kind in
     `mlxspec.drafters.registry`.
     A transformers `model` (the torch backend) gets the torch twins of the model drafters.
     """

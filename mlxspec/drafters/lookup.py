@@ -79,6 +79,12 @@ class PromptLookupDrafter(Drafter):
         found = self.continuations(tokens, k)
         return found[0] if found else []
 
+    def copies(self, tokens: list[int], worth: float = 0.0) -> bool:
+        """Whether it drafts the step after `tokens` (a copier in front of a model drafter);
+        a match drafts whatever `worth` the model's drafts have (it has no weight to compare:
+        measured, a match beats the model drafters we have)."""
+        return bool(self.continuation(tokens, 1))
+
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         found = self.continuations(tokens, k)
         if len(found) > 1:

@@ -3,8 +3,9 @@ CLI's --drafter and bench's --drafters, so that a new drafter is its module plus
 
 An entry says how to build the drafter on each backend, which options it takes (each with its
 command-line flag), and, for a model drafter, the checkpoint it loads and how that is checked
-against the target before any weight loads. Each model drafter also gets a "name+lookup" form,
-derived here: prompt lookup where it finds a match, the model elsewhere (drafters/hybrid.py).
+against the target before any weight loads. Each model drafter also gets "name+lookup" and
+"name+suffix" forms, derived here: the copier where it drafts, the model elsewhere
+(drafters/hybrid.py).
 Torch factories are imported when first called, so the MLX path never imports torch.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Callable, Mapping
 from ..backends import BACKENDS, backend_for
 from ..engine import Drafter, PlainDecoding
 from ..tree import MAX_TREE_BUDGET
-from .hybrid import LookupFirstDrafter
+from .hybrid import CopyFirstDrafter
 from .lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter
 
@@ -72,7 +73,7 @@ class DrafterKind:
     factories: Mapping[str, Factory]  # backend ("mlx", "torch") -> factory
     options: tuple[DrafterOption, ...] = ()
     checkpoint: Checkpoint | None = None  # None: the drafter loads no files
-    base: str | None = None  # a derived "X+lookup" form: X, whose checkpoint it loads
+    base: str | None = None  # a derived "X+lookup" or "X+suffix" form: X, whose checkpoint it loads
     # Why the drafter cannot run on a target (model -> reason, or None when it can), for a
     # drafter that needs what only some targets have (MTP modules): bench skips it, saying why.
     unavailable: Callable[[Any], str | None] | None = None
@@ -103,14 +104,27 @@ def host_only(drafter_class: type) -> dict[str, Factory]:
     return {backend: build for backend in BACKENDS}
 
 
-def lookup_first(kind: DrafterKind) -> DrafterKind:
-    """"name+lookup": the model drafter `kind` behind prompt lookup, with its options and path."""
+COPIERS = ("lookup", "suffix")  # the drafters a model drafter can stand behind: "X+lookup"
 
-    def wrap(build: Factory) -> Factory:
-        return lambda *args, **kwargs: LookupFirstDrafter(build(*args, **kwargs))
 
-    factories = {backend: wrap(build) for backend, build in kind.factories.items()}
-    return replace(kind, name=f"{kind.name}+lookup", factories=factories, base=kind.name)
+def copy_first(kind: DrafterKind, copier: DrafterKind) -> DrafterKind:
+    """"name+lookup", "name+suffix": the model drafter `kind` behind the copier (a
+    CopyFirstDrafter), with both one's options and the model's path."""
+
+    def wrap(build: Factory, build_copier: Factory) -> Factory:
+        def factory(path, *, model, tokenizer, **options):
+            own = {o.name for o in copier.options}
+            copier_options = {n: v for n, v in options.items() if n in own}
+            model_options = {n: v for n, v in options.items() if n not in own}
+            return CopyFirstDrafter(
+                build(path, model=model, tokenizer=tokenizer, **model_options),
+                build_copier(None, model=model, tokenizer=tokenizer, **copier_options))
+        return factory
+
+    factories = {backend: wrap(build, copier.factories[backend])
+                 for backend, build in kind.factories.items() if backend in copier.factories}
+    return replace(kind, name=f"{kind.name}+{copier.name}", factories=factories,
+                   options=kind.options + copier.options, base=kind.name)
 
 
 _REGISTERED: dict[str, DrafterKind] = {}
@@ -134,8 +148,11 @@ def unregister(name: str) -> None:
 
 
 def drafter_kinds() -> dict[str, DrafterKind]:
-    """Every drafter by name: the registered kinds, then each model drafter's +lookup form."""
-    return {**_REGISTERED, **{k.name: k for k in map(lookup_first, model_drafters())}}
+    """Every drafter by name: the registered kinds, then each model drafter's copy-first forms
+    (X+lookup, X+suffix)."""
+    derived = [copy_first(kind, _REGISTERED[copier]) for copier in COPIERS
+               if copier in _REGISTERED for kind in model_drafters()]
+    return {**_REGISTERED, **{k.name: k for k in derived}}
 
 
 def drafter_names() -> tuple[str, ...]:
@@ -195,7 +212,7 @@ def why_unavailable(name: str, model) -> str | None:
 
 
 def takers(option: DrafterOption) -> list[str]:
-    """The registered drafters that take `option` (their +lookup forms too)."""
+    """The registered drafters that take `option` (their copy-first forms take it too)."""
     return [k.name for k in _REGISTERED.values() if option in k.options]
 
 

@@ -308,6 +308,12 @@ class SuffixDrafter(Drafter):
             self.history.finish(self._reply)
             self._request = self._reply = None
 
+    def copies(self, tokens: list[int], worth: float = 0.0) -> bool:
+        """Whether it drafts the step after `tokens` (a copier in front of a model drafter),
+        its draft expecting more than `worth` accepted tokens (at least one draft)."""
+        drafted, _, probs = self.speculate(tokens, self.max_draft)
+        return bool(drafted) and score(probs) >= worth
+
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
         drafted, parents, _ = self.speculate(tokens, k)
         if not drafted:

@@ -14,7 +14,9 @@ from ..extras import require
 from .guards import check_exposure
 from .requests import DEFAULT_MAX_NUM_DRAFT
 
-ALWAYS_OFFERED = ("none", "lookup")  # registered drafters every server offers: they load nothing
+# Registered drafters every server offers: they load nothing. Suffix's history of replies is the
+# server's own, shared by every request that drafts from it (its "X+suffix" forms' too).
+ALWAYS_OFFERED = ("none", "lookup", "suffix")
 
 
 def _require_server_extra() -> None:
@@ -25,8 +27,9 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
                 api_key: str | None = None, max_queue: int = 64, render_timeout: float = 10.0,
                 max_num_draft: int = DEFAULT_MAX_NUM_DRAFT, max_batch: int = 1,
                 **drafter_options):
-    """A Server for `model`: requests may choose "none", "lookup", or the server's `drafter`
-    (and its "+lookup" form), loaded once here; unknown options fail before it starts.
+    """A Server for `model`: requests may choose "none", "lookup", "suffix", or the server's
+    `drafter` (and, for a model drafter, its "+lookup" and "+suffix" forms), loaded once here;
+    unknown options fail before it starts.
     A request's num_draft may be at most `max_num_draft` (and the drafter's own maximum caps
     what a step verifies). `max_batch` > 1 serves up to that many requests at once as rows of
     one batch (mlxspec.server.batching), where the backend, model and drafter allow it;
@@ -36,7 +39,8 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
 
     check_count("max_num_draft", max_num_draft)
     check_count("max_batch", max_batch)
-    from ..drafters import LookupFirstDrafter, load_drafter
+    from ..drafters import CopyFirstDrafter, load_drafter, registry
+    from ..drafters.registry import COPIERS
     from ..backends import backend_for
     from .app import Server
 
@@ -47,10 +51,15 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
             loaded = load_drafter(drafter, draft_model, model=model, tokenizer=tokenizer,
                                   **drafter_options)
             drafters[drafter] = loaded
-            if isinstance(loaded, LookupFirstDrafter):
-                drafters.setdefault(drafter.removesuffix("+lookup"), loaded.model_drafter)
-            elif drafter not in ALWAYS_OFFERED:
-                drafters[f"{drafter}+lookup"] = LookupFirstDrafter(loaded)
+            base = registry.drafter_kind(drafter).base
+            model_drafter = loaded.model_drafter if base is not None else loaded
+            if base is not None:  # its model drafter, and its copier as the server's own
+                drafters.setdefault(base, model_drafter)
+                drafters[loaded.copier.name] = loaded.copier
+            if drafter not in ALWAYS_OFFERED:  # the model drafter behind each copier too
+                for copier in COPIERS:
+                    drafters.setdefault(f"{base or drafter}+{copier}",
+                                        CopyFirstDrafter(model_drafter, drafters[copier]))
         return drafters
 
     parts = backend_for(model)

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..drafters import LookupFirstDrafter, PromptLookupDrafter
+from ..drafters import CopyFirstDrafter, PromptLookupDrafter
 from ..engine import Drafter, PlainDecoding
 from .logprobs import TokenLogprob, TokenTrail
 from .requests import GenerationRequest
@@ -227,17 +227,20 @@ class Worker:
 
     def drafter_for(self, request: GenerationRequest) -> Drafter:
         """The request's drafter; a predicted output becomes a lookup source in front of it
-        (with the settings of the lookup the drafter already has, if any)."""
+        (with the settings of the lookup the drafter already has, if any, and in its place)."""
         drafter = self.drafters[request.drafter or self.default_drafter]
         if request.prediction is None:
             return drafter
-        own = drafter if isinstance(drafter, PromptLookupDrafter) else \
-            getattr(drafter, "lookup", PromptLookupDrafter())
+        copier = drafter if isinstance(drafter, PromptLookupDrafter) else \
+            getattr(drafter, "copier", None)
+        own = copier if isinstance(copier, PromptLookupDrafter) else PromptLookupDrafter()
         lookup = PromptLookupDrafter(max_ngram=own.max_ngram, min_ngram=own.min_ngram,
                                      branches=own.branches, reference=request.prediction)
         if isinstance(drafter, (PlainDecoding, PromptLookupDrafter)):
             return lookup
-        return LookupFirstDrafter(getattr(drafter, "model_drafter", drafter), lookup)
+        if copier is own:  # X+lookup: the reference's lookup replaces its own
+            drafter = drafter.model_drafter
+        return CopyFirstDrafter(drafter, lookup)
 
     def _generate(self, job: Job) -> Outcome:
         from ..generate import stream_request
