@@ -19,6 +19,12 @@ from mlxspec.cli.options import (  # noqa: E402
     model_options,
     shard_option,
 )
+from mlxspec.cli.prompt_cache_files import (  # noqa: E402
+    PROMPT_CACHE_FILE,
+    check_prompt_cache_file,
+    open_prompt_cache,
+    save_prompt_cache,
+)
 from mlxspec.cli.serve import serve  # noqa: E402
 from mlxspec.cli.targets import _backend_line, load_target, split_target  # noqa: E402
 from mlxspec.cli.train import train  # noqa: E402
@@ -198,10 +204,11 @@ def main():
 @model_options
 @shard_option
 @decoding_options
+@PROMPT_CACHE_FILE
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
 def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter, draft_model,
              num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system,
-             no_chat_template, verbose, **drafter_options):
+             no_chat_template, prompt_cache_file, verbose, **drafter_options):
     """Generate a reply to one prompt, or to each of a file's prompts at once (--prompts)."""
     import mlxspec
     from mlxspec.generate import check_utf8, format_stats
@@ -223,21 +230,28 @@ def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter
     _check_backend(backend, device)
     if prompts_file is not None:
         _check_batch(backend)
+        if prompt_cache_file is not None:
+            raise click.BadParameter("holds one prompt's cache: use it with --prompt",
+                                     param_hint="--prompt-cache-file")
+    check_prompt_cache_file(prompt_cache_file, backend)
     _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
                                         drafter_options, verbose, shard)
     if prompts_file is not None:
         return _generate_batch(target, tokenizer, spec, prompts, request, system,
                                no_chat_template, verbose)
+    cache = open_prompt_cache(prompt_cache_file, target)
     last = None
     try:
         text = build_prompt(tokenizer, _messages(system, [{"role": "user", "content": prompt}]),
                             no_chat_template, _template_name(target))
-        for last in mlxspec.stream_request(target, tokenizer, text, request, drafter=spec):
+        for last in mlxspec.stream_request(target, tokenizer, text, request, drafter=spec,
+                                           prompt_cache=cache):
             click.echo(last.text, nl=False)
     except (ValueError, DistributedError) as err:
         _fail(err)
     click.echo()
+    save_prompt_cache(cache, prompt_cache_file)
     if verbose and last is not None:
         click.echo("=" * 10, err=True)
         click.echo(format_stats(last), err=True)
@@ -307,9 +321,10 @@ def _generate_batch(target, tokenizer, spec, prompts, request, system, no_chat_t
 @decoding_options
 @click.option("--color/--no-color", default=None,
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
+@PROMPT_CACHE_FILE
 def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, adaptive,
          max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, color,
-         **drafter_options):
+         prompt_cache_file, **drafter_options):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
     from mlxspec.backends import backend_for
@@ -319,11 +334,14 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
                        min_p=min_p, seed=seed)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
+    check_prompt_cache_file(prompt_cache_file, backend)
     _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,
                                         drafter_options, False, shard)
     color = sys.stdout.isatty() if color is None else color
-    prompt_cache = backend_for(target).prompt_cache()  # turns prefill only what is new
+    # Turns prefill only what is new; with a file, across sessions too.
+    prompt_cache = open_prompt_cache(prompt_cache_file, target) or \
+        backend_for(target).prompt_cache()
     history = []
     template = _template_name(target)
     click.echo("mlxspec chat: /reset clears the history, /quit exits.")
@@ -370,6 +388,7 @@ def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, 
             click.echo(f"\nError: {err}", err=True)
             continue
         history.append({"role": "assistant", "content": reply})
+        save_prompt_cache(prompt_cache if prompt_cache_file else None, prompt_cache_file)
         click.echo()
         if last is not None:
             click.echo(_turn_summary(last), err=True)

@@ -15,6 +15,7 @@ from mlxspec.cli.options import (
     shard_option,
     shared,
 )
+from mlxspec.cli.prompt_cache_files import PROMPT_CACHE_FILE, check_prompt_cache_file
 from mlxspec.cli.targets import _backend_line, load_target, split_target
 from mlxspec.server.requests import DEFAULT_MAX_NUM_DRAFT
 
@@ -68,9 +69,10 @@ def _model_id(model: str | None) -> str:
                  help="The most drafts per step a request may ask for (its \"num_draft\"); "
                       "more are answered 400. Each step verifies up to this many + 1 tokens."),
 ])
+@PROMPT_CACHE_FILE
 def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port, api_key,
           insecure_no_api_key, render_timeout, max_queue, max_batch, max_num_draft,
-          **drafter_options):
+          prompt_cache_file, **drafter_options):
     """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'mlxspec[server]').
 
     \b
@@ -87,6 +89,7 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
         click.echo(warning, err=True)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
+    check_prompt_cache_file(prompt_cache_file, backend)
     try:
         _require_server_extra()
     except _user_errors() as err:
@@ -98,6 +101,7 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
                              model_id=_model_id(model), api_key=api_key, max_queue=max_queue,
                              render_timeout=render_timeout,
                              max_num_draft=max_num_draft, max_batch=max_batch,
+                             prompt_cache_file=prompt_cache_file,
                              **_options_for(drafter, drafter_options))
     except _user_errors() as err:
         _fail(err)

@@ -184,7 +184,10 @@ def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Reque
             yield respond(token, from_draft, scores, n, finish_reason)
         finally:  # also when the caller stops early (Ctrl-C in chat): the cache stays consistent
             steps.close()  # the loop drops the drafts of a pass it had queued
-            if session.kept is not None:
+            if session.kept is not None and session.drafter.capture_layers:
+                session.kept.remember_prompt(
+                    prompt_tokens, getattr(session.target, "prompt_features", None))
+            elif session.kept is not None:
                 session.kept.remember(prompt_tokens + output)
 
 
@@ -212,17 +215,21 @@ class Session:
 def open_session(make_target, *, model, tokenizer, drafter, request: Request, prompt_tokens,
                  prompt_cache) -> Session:
     """The drafter resolved and its drafts per step limited; the target, built by
-    `make_target` on the prompt cache unless the drafter reads target features (their prefill
-    needs a fresh cache)."""
+    `make_target` on the prompt cache (for a drafter that reads target features, on the part
+    whose features it kept, else on a fresh one)."""
     from .drafters import resolve_drafter
 
     drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
     num_draft = request.num_draft or drafter.default_num_draft
     # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
     max_draft = draft_limit(drafter, num_draft)
-    kept = None if drafter.capture_layers else prompt_cache
+    features = bool(drafter.capture_layers)
+    kept, options = prompt_cache, {}
+    cache = None if kept is None else kept.take(model, prompt_tokens, features)
+    if features and kept is not None and kept.features is not None and kept.tokens:
+        options["held_features"] = kept.features  # of the prefix the cache holds
     target = make_target(model, capture_layers=drafter.capture_layers, speculative=max_draft > 0,
-                         cache=None if kept is None else kept.take(model, prompt_tokens))
+                         cache=cache, **options)
     return Session(drafter, num_draft, max_draft, target, kept)
 
 

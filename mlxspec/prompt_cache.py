@@ -56,16 +56,29 @@ class KeptCache:
         (its arrays shared): a start for a row of a batch, which copies what it reads."""
         raise NotImplementedError
 
-    def take(self, model, prompt: Sequence[int]):
+    def take(self, model, prompt: Sequence[int], features: bool = False):
         """The cache cut back to the longest prefix it shares with `prompt` (never all of it: the
-        last prompt token is the loop's pending token)."""
+        last prompt token is the loop's pending token); `features`: with their target features
+        (`self.features`), or else a fresh cache."""
         self.check_model(model)
         keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
-        if self.cache is None or (keep < len(self.tokens) and not self._can_cut()):
+        if self.cache is None or (keep < len(self.tokens) and not self._can_cut()) or (
+                features and self.features is None):
             self.cache, self.tokens, keep = self._new(model), [], 0
             self.features = None
         self._trim_to(keep)
         return self.cache
+
+    def remember_prompt(self, prompt: Sequence[int], features) -> None:
+        """After a generation whose drafter read target features: keep the prompt (but its
+        pending last token) with `features`, the prompt's, the reply's having gone to the
+        drafter; where they are missing, or the cache cannot be cut back to it, start afresh."""
+        self.remember(prompt[:-1])
+        if self.cache is not None and features is not None and \
+                features.shape[0] == len(self.tokens):
+            self.features = features
+        else:
+            self.cache, self.tokens, self.features = None, [], None
 
     def remember(self, tokens: Sequence[int]) -> None:
         """After a generation: `tokens` (prompt + output) begins with what the cache now holds;

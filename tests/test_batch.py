@@ -262,7 +262,7 @@ def test_feature_drafters_start_from_prompt_caches_with_their_features(tmp_path,
         assert second.token_ids == want
         assert second.cached_tokens == [len(p) - 1 for p in prompts]
         assert first.cached_tokens == [0] * len(prompts)
-    # One sequence's generation keeps no features: the cache it extends no longer lends them.
+    # A plain generation keeps no features: the cache it extends no longer lends them.
     cache = caches[0]
     list(mlxspec.stream_generate(llama, tiny_tokenizer(12), prompts[0] + [1, 2], 4,
                                  prompt_cache=cache))
@@ -270,6 +270,35 @@ def test_feature_drafters_start_from_prompt_caches_with_their_features(tmp_path,
     again = mlxspec.batch_generate(llama, tiny_tokenizer(12), [prompts[0] + [1, 2]], 4,
                                    drafter=drafters["eagle3"][1](), prompt_caches=[cache])
     assert again.cached_tokens == [0]
+
+
+def test_one_sequence_with_a_feature_drafter_starts_from_its_prompt_cache(tmp_path, tokenizer):
+    """stream_generate with DFlash and EAGLE-3 keeps its prompt and the prompt's features in the
+    prompt cache (a file too), and the next turn starts from them: the same tokens as fresh."""
+    from mlxspec.overhead import TINY_TARGET
+    from mlxspec.overhead import tiny_llama as overhead_llama
+
+    target = overhead_llama(VOCAB, 0, **TINY_TARGET)
+    llama, drafters = feature_drafters(tmp_path)["eagle3"][0], feature_drafters(tmp_path)
+    cases = [(target, lambda: tiny_dflash(target), tokenizer, PROMPTS[1]),
+             (llama, drafters["eagle3"][1], tiny_tokenizer(12), [t % 12 for t in PROMPTS[1]])]
+    fixed = dict(num_draft=3, adaptive=False)
+    for model, make, tok, prompt in cases:
+        cache = mlxspec.PromptCache()
+        first = alone(model, tok, [prompt], [6], make(), prompt_cache=cache, **fixed)[0]
+        assert cache.tokens == prompt[:-1] and cache.features.shape[0] == len(prompt) - 1
+        held = cache.cache
+        turn = prompt + first + [3, 4]
+        want = alone(model, tok, [turn], [8], make(), **fixed)
+        assert alone(model, tok, [turn], [8], make(), prompt_cache=cache, **fixed) == want
+        assert cache.cache is held  # continued, not rebuilt
+        assert cache.tokens == turn[:-1] and cache.features.shape[0] == len(turn) - 1
+        cache.save(tmp_path / "turn.safetensors")
+        loaded = mlxspec.PromptCache.load(tmp_path / "turn.safetensors", model)
+        assert (loaded.features == cache.features).all()
+        turn = turn + [5, 6, 7]
+        want = alone(model, tok, [turn], [8], make(), **fixed)
+        assert alone(model, tok, [turn], [8], make(), prompt_cache=loaded, **fixed) == want
 
 
 def test_a_batch_of_one_is_the_single_sequence_path(tokenizer):

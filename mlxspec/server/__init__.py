@@ -26,14 +26,16 @@ def _require_server_extra() -> None:
 def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, model_id="model",
                 api_key: str | None = None, max_queue: int = 64, render_timeout: float = 10.0,
                 max_num_draft: int = DEFAULT_MAX_NUM_DRAFT, max_batch: int = 1,
-                **drafter_options):
+                prompt_cache_file=None, **drafter_options):
     """A Server for `model`: requests may choose "none", "lookup", "suffix", or the server's
     `drafter` (and, for a model drafter, its "+lookup" and "+suffix" forms), loaded once here;
     unknown options fail before it starts.
     A request's num_draft may be at most `max_num_draft` (and the drafter's own maximum caps
     what a step verifies). `max_batch` > 1 serves up to that many requests at once as rows of
     one batch (mlxspec.server.batching), where the backend, model and drafter allow it;
-    1 serves them one at a time, continuing kept prompt caches."""
+    1 serves them one at a time, continuing kept prompt caches. `prompt_cache_file`: a
+    safetensors prompt cache (PromptCache.save) the kept caches start with, where it exists,
+    and where the most recently used one is written when the server stops."""
     _require_server_extra()
     from ..request import check_count
 
@@ -63,10 +65,14 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
         return drafters
 
     parts = backend_for(model)
+    if prompt_cache_file is not None and not parts.mlx_lm:
+        raise ValueError("prompt cache files hold MLX caches; this model is a "
+                         f"{parts.name} model")
     return Server(model, tokenizer, model_id=model_id, build_drafters=build_drafters,
                   default_drafter=drafter, api_key=api_key, max_queue=max_queue,
                   context_length=parts.context_length(model), render_timeout=render_timeout,
-                  max_num_draft=max_num_draft, max_batch=max_batch)
+                  max_num_draft=max_num_draft, max_batch=max_batch,
+                  cache_file=prompt_cache_file)
 
 
 __all__ = ["check_exposure", "make_server"]

@@ -54,7 +54,7 @@ class Server:
     def __init__(self, model, tokenizer, *, model_id: str, build_drafters, default_drafter: str,
                  api_key: str | None = None, max_queue: int = 64, context_length=None,
                  render_timeout: float = 10.0, render_slots: int = 2,
-                 max_num_draft: int | None = None, max_batch: int = 1):
+                 max_num_draft: int | None = None, max_batch: int = 1, cache_file=None):
         self.model_id, self.api_key = model_id, api_key
         self.max_num_draft = max_num_draft
         self.token_names = TokenNames(tokenizer)
@@ -66,10 +66,10 @@ class Server:
         if max_batch > 1:  # rows of one batch, where the model and drafters allow it
             self.worker = BatchWorker(model, tokenizer, build_drafters, default_drafter,
                                       max_queue=max_queue, on_finish=on_finish,
-                                      max_batch=max_batch)
+                                      max_batch=max_batch, cache_file=cache_file)
         else:
             self.worker = Worker(model, tokenizer, build_drafters, default_drafter,
-                                 max_queue=max_queue, on_finish=on_finish)
+                                 max_queue=max_queue, on_finish=on_finish, cache_file=cache_file)
         self.metrics.queue_length = lambda: self.worker.queue_length
         self.metrics.batch_rows = lambda: (self.worker.rows, self.worker.max_batch)
         self.drafter_names = tuple(self.worker.drafters)

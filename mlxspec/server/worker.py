@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ..drafters import CopyFirstDrafter, PromptLookupDrafter
@@ -131,11 +132,12 @@ class Worker:
 
     def __init__(self, model, tokenizer, build_drafters: Callable[[], dict[str, Drafter]],
                  default_drafter: str, *, max_queue: int = 64, on_finish=None,
-                 cache_slots: int = 4):
+                 cache_slots: int = 4, cache_file=None):
         from ..backends import backend_for
         from .cache_pool import PromptCachePool
 
         self.model, self.tokenizer = model, tokenizer
+        self.cache_file = cache_file  # read into the pool at start, its latest cache written at stop
         make_cache = backend_for(model).prompt_cache
         self.caches = PromptCachePool(make_cache, slots=cache_slots) if cache_slots else None
         self.default_drafter = default_drafter
@@ -183,6 +185,7 @@ class Worker:
     def _run(self, build_drafters, built: list, ready: threading.Event) -> None:
         try:
             self.drafters = build_drafters()
+            self._read_cache_file()
             self._prepare()
         except BaseException as err:  # noqa: BLE001  (raised again in __init__)
             built.append(err)
@@ -190,6 +193,22 @@ class Worker:
         finally:
             ready.set()
         self._serve()
+        self._write_cache_file()
+
+    def _read_cache_file(self) -> None:
+        """The --prompt-cache-file's cache joins the pool (on this thread, whose stream its
+        arrays then belong to); a file another model made, or a damaged one, stops the start."""
+        if self.cache_file is None or self.caches is None or not Path(self.cache_file).exists():
+            return
+        self.caches.keep(self.caches.make().load(self.cache_file, self.model))
+
+    def _write_cache_file(self) -> None:
+        """At stop, the most recently used kept cache goes to the file, whole or not at all."""
+        if self.cache_file is None or self.caches is None:
+            return
+        held = [c for c in self.caches.caches if c.tokens and c.cache is not None]
+        if held:
+            held[-1].save(self.cache_file)
 
     def _prepare(self) -> None:
         """What the serving loop needs besides the drafters, set up on the worker's thread."""
@@ -251,9 +270,9 @@ class Worker:
         first, last, produced, finish = None, None, 0, "length"
         drafter = self.drafter_for(request)
         cache, cached = None, 0
-        if self.caches is not None and not drafter.capture_layers:  # the loop's own rule
+        if self.caches is not None:  # a feature drafter's: where it kept their features
             cache = self.caches.checkout(request.prompt)
-            cache.take(self.model, request.prompt)
+            cache.take(self.model, request.prompt, bool(drafter.capture_layers))
             cached = len(cache.tokens)
         responses = stream_request(self.model, self.tokenizer, request.prompt,
                                    request.generation, drafter=drafter, prompt_cache=cache)

@@ -155,8 +155,13 @@ class MLXTarget:
         prefill_step_size: int = 2048,
         cache: list | None = None,
         forward=WHOLE_MODEL,
+        held_features=None,
     ):
         self.model = model
+        # The captured features of the positions a kept `cache` holds (its prompt's prefix), so a
+        # drafter that reads them starts from it; `prompt_features` are the whole prompt's.
+        self.held_features = held_features
+        self.prompt_features = None
         self.forward = forward
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.context_length = context_length(model)
@@ -198,8 +203,10 @@ class MLXTarget:
         `held` says how many it holds where no layer counts them (a rank of a split target
         whose layers are all recurrent is told by rank 0)."""
         held = self.offset if held is None else held
-        if self.capture_layers and held:
-            raise ValueError("a drafter that reads target features needs a fresh target cache")
+        kept = self.held_features if self.capture_layers and held else None
+        if self.capture_layers and held and (kept is None or kept.shape[0] != held):
+            raise ValueError("a drafter that reads target features needs a fresh target cache, "
+                             "or the features of what it holds")
         body = mx.array(list(tokens[held:-1]), dtype=mx.int32)
         features = []
         for start in range(0, body.shape[0], self.prefill_step_size):
@@ -210,9 +217,12 @@ class MLXTarget:
             mx.clear_cache()
         if not self.capture_layers:
             return None
+        if kept is not None:
+            features.insert(0, kept)
         if not features:
             return mx.zeros((0, 0))
-        return mx.concatenate(features, axis=0)
+        self.prompt_features = mx.concatenate(features, axis=0)
+        return self.prompt_features
 
     def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig,
                logprobs: int | None = None) -> Pass:
@@ -369,7 +379,27 @@ class MLXTarget:
 
 
 class PromptCache(KeptCache):
-    """mlx-lm's per-layer caches kept across calls (chat turns): see KeptCache."""
+    """mlx-lm's per-layer caches kept across calls (chat turns): see KeptCache. `save` and
+    `load` keep it in a safetensors file across processes (mlxspec/prompt_cache_file.py)."""
+
+    def save(self, path) -> None:
+        """Write what it holds to `path` (safetensors), whole or not at all."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            raise ValueError("the prompt cache holds nothing yet: generate with it first")
+        from ...prompt_cache_file import save
+
+        save(self, path, model)
+
+    @classmethod
+    def load(cls, path, model) -> "PromptCache":
+        """A prompt cache for `model` holding what `path` holds; ValueError (one line) for
+        another model's file, or one truncated or corrupted."""
+        from ...prompt_cache_file import load
+
+        kept = cls()
+        load(kept, path, model)
+        return kept
 
     def _new(self, model) -> list:
         return make_prompt_cache(model)
