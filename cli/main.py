@@ -58,6 +58,12 @@ def decoding_options(f):
         click.option("--top-k", type=int, default=0, show_default=True),
         click.option("--min-p", type=float, default=0.0, show_default=True),
         click.option("--seed", type=int, default=None),
+        click.option("--kv-bits", type=int, default=None,
+                     help="Quantize the target's KV cache to this many bits (2-6, 8) once the "
+                          "prompt is prefilled: less memory for long contexts; output is the "
+                          "target's with that cache, with or without a drafter."),
+        click.option("--kv-group-size", type=int, default=64, show_default=True,
+                     help="With --kv-bits: values quantized per group (32, 64, 128)."),
         click.option("--system", default=None, help="System prompt for the chat template."),
         click.option("--no-chat-template", is_flag=True,
                      help="Use the prompt as raw text instead of a chat message."),
@@ -72,7 +78,8 @@ def _checkpoint_help(kind) -> str:
     return kind.checkpoint.what + shipped
 
 
-def _request(max_tokens, num_draft=None, adaptive=True, **sampling):
+def _request(max_tokens, num_draft=None, adaptive=True, kv_bits=None, kv_group_size=64,
+             **sampling):
     """The generation's Request from the flags, checked before a model loads (chat: before the
     REPL starts); a refused value names its flag."""
     from mlxspec.request import Request
@@ -80,10 +87,17 @@ def _request(max_tokens, num_draft=None, adaptive=True, **sampling):
 
     try:
         return Request(max_tokens, SamplingConfig(**sampling), num_draft=num_draft,
-                       adaptive=adaptive)
+                       adaptive=adaptive, kv_bits=kv_bits, kv_group_size=kv_group_size)
     except (TypeError, ValueError) as err:
         name = str(err).split()[0]
         raise click.BadParameter(str(err), param_hint=f"--{name.replace('_', '-')}") from None
+
+
+def _check_kv_bits(kv_bits, backend) -> None:
+    from mlxspec.backends import backend_named
+
+    if kv_bits is not None and not backend_named(backend).mlx_lm:
+        raise click.BadParameter("quantizes MLX caches; use --backend mlx", param_hint="--kv-bits")
 
 
 def _config_before_loading(folder) -> dict | None:
@@ -207,8 +221,9 @@ def main():
 @PROMPT_CACHE_FILE
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
 def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter, draft_model,
-             num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, system,
-             no_chat_template, prompt_cache_file, verbose, **drafter_options):
+             num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, kv_bits,
+             kv_group_size, system, no_chat_template, prompt_cache_file, verbose,
+             **drafter_options):
     """Generate a reply to one prompt, or to each of a file's prompts at once (--prompts)."""
     import mlxspec
     from mlxspec.generate import check_utf8, format_stats
@@ -224,12 +239,16 @@ def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter
             raise click.BadParameter(str(err), param_hint="--prompt") from None
         if not prompt.strip():
             raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    request = _request(max_tokens, num_draft, adaptive, temp=temp, top_p=top_p, top_k=top_k,
-                       min_p=min_p, seed=seed)
+    request = _request(max_tokens, num_draft, adaptive, kv_bits, kv_group_size, temp=temp,
+                       top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
+    _check_kv_bits(kv_bits, backend)
     if prompts_file is not None:
         _check_batch(backend)
+        if kv_bits is not None:
+            raise click.BadParameter("a batch keeps its cache in the model's dtype: use it "
+                                     "with --prompt", param_hint="--kv-bits")
         if prompt_cache_file is not None:
             raise click.BadParameter("holds one prompt's cache: use it with --prompt",
                                      param_hint="--prompt-cache-file")
@@ -323,17 +342,18 @@ def _generate_batch(target, tokenizer, spec, prompts, request, system, no_chat_t
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
 @PROMPT_CACHE_FILE
 def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, adaptive,
-         max_tokens, temp, top_p, top_k, min_p, seed, system, no_chat_template, color,
-         prompt_cache_file, **drafter_options):
+         max_tokens, temp, top_p, top_k, min_p, seed, kv_bits, kv_group_size, system,
+         no_chat_template, color, prompt_cache_file, **drafter_options):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
     from mlxspec.backends import backend_for
     from mlxspec.generate import check_utf8
 
-    request = _request(max_tokens, num_draft, adaptive, temp=temp, top_p=top_p, top_k=top_k,
-                       min_p=min_p, seed=seed)
+    request = _request(max_tokens, num_draft, adaptive, kv_bits, kv_group_size, temp=temp,
+                       top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
+    _check_kv_bits(kv_bits, backend)
     check_prompt_cache_file(prompt_cache_file, backend)
     _check_against_target(model, dtype, drafter, draft_model, drafter_options)
     target, tokenizer, spec = _load_all(model, dtype, backend, device, drafter, draft_model,

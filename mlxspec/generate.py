@@ -115,7 +115,8 @@ def stream_generate(
     drafter: Drafter | str | None = None, num_draft: int | None = None, adaptive: bool = True,
     temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
     seed: int | None = None, prompt_cache: PromptCache | None = None, backend: str | None = None,
-    overlap: bool = True, logprobs: int | None = None,
+    overlap: bool = True, logprobs: int | None = None, kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> Iterator[GenerationResponse]:
     """Stream the continuation of `prompt` (a string or token ids, used as given).
 
@@ -123,7 +124,8 @@ def stream_generate(
     produced speculatively; the output is the same as without it (greedy: token for token;
     sampled: in distribution). The other options make a `Request` (mlxspec.request says what
     each means: max_tokens, num_draft, adaptive, temp, top_p, top_k, min_p, seed, logprobs,
-    overlap), checked before any work; `stream_request` takes one already built.
+    overlap, kv_bits, kv_group_size), checked before any work; `stream_request` takes one
+    already built.
     A `PromptCache` carries the target's KV cache across calls (chat turns), so only the part of
     the prompt not already in it is prefilled (not with drafters that read target features).
     The backend follows the model: an mlx-lm model runs on MLX, a transformers model (from
@@ -132,7 +134,8 @@ def stream_generate(
     """
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     request = Request(max_tokens, sampling, num_draft=num_draft, adaptive=adaptive,
-                      logprobs=logprobs, overlap=overlap)
+                      logprobs=logprobs, overlap=overlap, kv_bits=kv_bits,
+                      kv_group_size=kv_group_size)
     yield from stream_request(model, tokenizer, prompt, request, drafter=drafter,
                               prompt_cache=prompt_cache, backend=backend)
 
@@ -149,6 +152,8 @@ def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Reque
     tokenizer = _as_wrapper(tokenizer)
     prompt_tokens = encode_prompt(tokenizer, prompt)
     check_request(parts, model, prompt_tokens, request.max_tokens)
+    if request.kv_bits is not None and not parts.mlx_lm:
+        raise ValueError(f"kv_bits quantizes MLX caches; this is a {parts.name} model")
     if follow_generation(model):  # another rank of a split target ran its share of the passes
         return
     opening = partial(open_session, model=model, tokenizer=tokenizer, drafter=drafter,
@@ -228,6 +233,8 @@ def open_session(make_target, *, model, tokenizer, drafter, request: Request, pr
     cache = None if kept is None else kept.take(model, prompt_tokens, features)
     if features and kept is not None and kept.features is not None and kept.tokens:
         options["held_features"] = kept.features  # of the prefix the cache holds
+    if request.kv_bits is not None:
+        options.update(kv_bits=request.kv_bits, kv_group_size=request.kv_group_size)
     target = make_target(model, capture_layers=drafter.capture_layers, speculative=max_draft > 0,
                          cache=cache, **options)
     return Session(drafter, num_draft, max_draft, target, kept)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from .sampling import SamplingConfig, is_integer
 
 MAX_LOGPROBS = 20  # OpenAI's most top_logprobs per token
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+KV_GROUP_SIZES = (32, 64, 128)
 
 
 def check_count(name: str, value, minimum: int = 1) -> None:
@@ -47,6 +49,11 @@ class Request:
         requests.
     overlap: False stops queuing the next pass while the current one's tokens are handled (the
         output is the same; `mlxspec bench --overhead` uses it to measure the host's share).
+    kv_bits: store the target's attention keys and values quantized to this many bits (mlx-lm's
+        QuantizedKVCache, groups of `kv_group_size` along each head) once the prompt is
+        prefilled: less memory and reading for long contexts. The output is the target's with
+        that cache, drafter or not (a rollback keeps exactly the positions it keeps: each is
+        quantized on its own). None keeps them in the model's dtype.
     """
 
     max_tokens: int = 256
@@ -55,9 +62,18 @@ class Request:
     adaptive: bool = True
     logprobs: int | None = None
     overlap: bool = True
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     def __post_init__(self):
         if self.num_draft is not None:
             check_count("num_draft", self.num_draft)
+        if self.kv_bits is not None and (not is_integer(self.kv_bits)
+                                         or self.kv_bits not in KV_BITS):
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got "
+                             f"{self.kv_bits!r}")
+        if not is_integer(self.kv_group_size) or self.kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of "
+                             f"{', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size!r}")
         check_logprobs(self.logprobs)
         check_count("max_tokens", self.max_tokens)

@@ -156,8 +156,13 @@ class MLXTarget:
         cache: list | None = None,
         forward=WHOLE_MODEL,
         held_features=None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         self.model = model
+        self.kv_quantization = (kv_group_size, kv_bits) if kv_bits is not None else None
+        if kv_bits is not None:
+            check_kv_group_size(model, kv_group_size)
         # The captured features of the positions a kept `cache` holds (its prompt's prefix), so a
         # drafter that reads them starts from it; `prompt_features` are the whole prompt's.
         self.held_features = held_features
@@ -215,6 +220,7 @@ class MLXTarget:
                 features.append(chunk_features)
             mx.eval([c.state for c in self.cache] + features + self.forward.outputs())
             mx.clear_cache()
+        self._quantize_cache()
         if not self.capture_layers:
             return None
         if kept is not None:
@@ -223,6 +229,18 @@ class MLXTarget:
             return mx.zeros((0, 0))
         self.prompt_features = mx.concatenate(features, axis=0)
         return self.prompt_features
+
+    def _quantize_cache(self) -> None:
+        """With kv_bits: the attention layers' caches become QuantizedKVCache once the prompt
+        is in them (mlx-lm's maybe_quantize_kv_cache at quantized_kv_start 0), in place, so a
+        kept prompt cache holds them quantized too; each later position is quantized as it is
+        written."""
+        if self.kv_quantization is None:
+            return
+        group_size, bits = self.kv_quantization
+        for i, c in enumerate(self.cache):
+            if type(c) is KVCache:
+                self.cache[i] = c.to_quantized(group_size=group_size, bits=bits)
 
     def launch(self, pending: "int | Pass", draft: Draft, sampling: SamplingConfig,
                logprobs: int | None = None) -> Pass:
@@ -376,6 +394,18 @@ class MLXTarget:
     @property
     def offset(self) -> int:
         return cache_offset(self.cache) or 0
+
+
+def check_kv_group_size(model, group_size: int) -> None:
+    """Keys and values are quantized in groups along each head: the head size must split into
+    them (a one-line ValueError before any compute, not MLX's from inside a pass)."""
+    args = getattr(model, "args", None)
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is None and args is not None and getattr(args, "num_attention_heads", None):
+        head_dim = args.hidden_size // args.num_attention_heads
+    if head_dim and head_dim % group_size:
+        raise ValueError(f"kv_group_size {group_size} does not divide the model's attention "
+                         f"head size {head_dim}; use a divisor of it (32, 64 or 128)")
 
 
 class PromptCache(KeptCache):

@@ -1,0 +1,126 @@
+"""kv_bits: the target's keys and values quantized (mlx-lm's QuantizedKVCache) once the prompt is
+prefilled. Speculation stays exact against that target: drafts right up to a planted wrong token
+at every position give greedy decoding with the same quantized cache, chains and trees, and the
+cache after the rollbacks holds what a fresh quantized prefill of the same tokens holds."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from test_rollback_property import KS, N, PlantedDrafter
+from tiny_models import tiny_llama, tiny_qwen3_next
+
+import mlxspec
+from mlxspec.backends.mlx.target import MLXTarget
+from mlxspec.engine import SpecStats, speculative_tokens
+from mlxspec.request import Request
+from mlxspec.sampling import SamplingConfig
+
+VOCAB = 40
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 7]]
+BITS = dict(kv_bits=4, kv_group_size=32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab=VOCAB, hidden=128, seed=2, sharpness=8.0)  # head_dim 32
+
+
+def quantized_reference(model, prompt: list[int]) -> tuple[list[int], list]:
+    """Greedy one token per call with mlx-lm's own caches: the prompt but its last token
+    prefilled in full precision, then quantized (as mlxspec's target does), then each token."""
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    cache = [c.to_quantized(group_size=32, bits=4) if type(c) is KVCache else c for c in cache]
+    out, token = [], prompt[-1]
+    for _ in range(N):
+        logits = model(mx.array([[token]]), cache=cache)
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+    return out, cache
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_planted_drafts_give_the_quantized_target_s_greedy_output(target, prompt):
+    reference, _ = quantized_reference(target, prompt)
+    assert reference != quantized_reference_full_precision(target, prompt)  # it is quantized
+    full = prompt + reference
+    for k in KS:
+        for j in range(k + 1):
+            made = MLXTarget(target, speculative=True, **BITS)
+            out = [t for t, _ in speculative_tokens(
+                made, PlantedDrafter(full, j), prompt, sampling=SamplingConfig(),
+                max_tokens=N, num_draft=k, stats=SpecStats())]
+            assert out == reference, (k, j)
+            assert all(type(c) is QuantizedKVCache for c in made.cache)
+
+
+def quantized_reference_full_precision(model, prompt):
+    cache, out, token = make_prompt_cache(model), [], None
+    logits = model(mx.array(prompt)[None], cache=cache)
+    for _ in range(N):
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+def test_the_cache_after_rollbacks_is_a_fresh_quantized_one(target):
+    prompt = PROMPTS[0]
+    reference, fresh = quantized_reference(target, prompt)
+    made = MLXTarget(target, speculative=True, **BITS)
+    out = [t for t, _ in speculative_tokens(
+        made, PlantedDrafter(prompt + reference, 2), prompt, sampling=SamplingConfig(),
+        max_tokens=N, num_draft=5, stats=SpecStats())]
+    assert out == reference
+    for mine, theirs in zip(made.cache, fresh):
+        n = mine.offset  # the prompt but its last token, and every token since but the last
+        assert theirs.offset == n == len(prompt) - 1 + N
+        for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values):
+            a, b = a[..., :n, :], b[..., :n, :]
+            if a.dtype == mx.uint32:  # packed: most groups identical, none far off
+                assert (a == b).mean().item() > 0.99
+            else:
+                assert mx.allclose(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_trees_and_a_hybrid_target_with_kv_bits():
+    """A tree drafter verifies its trees in the quantized cache; Qwen3-Next's recurrent layers
+    stay as they are, its attention layers quantized, and lookup stays exact."""
+    from mlxspec.drafters import PromptLookupDrafter
+    from test_api_hardening import tiny_tokenizer
+
+    for model in (tiny_llama(vocab=VOCAB, hidden=128, seed=2, sharpness=8.0),
+                  tiny_qwen3_next(vocab=VOCAB, seed=2, head_dim=32, num_attention_heads=2)):
+        tokenizer = tiny_tokenizer(VOCAB)
+        prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+        plain = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 16, **BITS)]
+        for drafter in (PromptLookupDrafter(), PromptLookupDrafter(branches=3)):
+            spec = [r.token for r in mlxspec.stream_generate(
+                model, tokenizer, prompt, 16, drafter=drafter, num_draft=4, **BITS)]
+            assert spec == plain
+
+
+def test_bad_kv_settings_are_refused_before_any_work():
+    with pytest.raises(ValueError, match="kv_bits must be one of 2, 3, 4, 5, 6, 8, got 7"):
+        Request(kv_bits=7)
+    with pytest.raises(ValueError, match="kv_group_size must be one of 32, 64, 128"):
+        Request(kv_bits=4, kv_group_size=16)
+
+
+def test_a_head_size_the_groups_do_not_divide_is_refused_before_any_work(target):
+    with pytest.raises(ValueError, match="kv_group_size 64 does not divide the model's "
+                                         "attention head size 32"):
+        MLXTarget(target, speculative=True, kv_bits=4, kv_group_size=64)
+
+
+@pytest.mark.slow  # the real model through the CLI
+def test_cli_kv_bits_with_a_drafter_is_the_plain_text_with_kv_bits():
+    from test_cli import QUESTION, N as TOKENS, assert_clean_error, invoke, ok
+
+    args = ["generate", "--prompt", QUESTION, "--max-tokens", TOKENS, "--kv-bits", "4"]
+    plain = ok(invoke(*args))
+    for drafter in ("lookup", "suffix", "dflash"):
+        assert ok(invoke(*args, "--drafter", drafter)).stdout == plain.stdout
+    assert_clean_error(invoke(*args, "--kv-group-size", "128"), "does not divide")
+    assert_clean_error(invoke("generate", "--prompt", "hi", "--kv-bits", "7"), "--kv-bits",
+                       "must be one of")
