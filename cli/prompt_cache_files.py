@@ -25,7 +25,7 @@ def check_prompt_cache_file(path: Path | None, backend: str) -> None:
         raise click.BadParameter("prompt cache files hold MLX caches; use --backend mlx",
                                  param_hint="--prompt-cache-file")
     if path.exists():
-        from mlxspec.prompt_cache_file import check_file
+        from mlxspec.backends.mlx.prompt_cache_file import check_file
 
         try:
             check_file(path)

@@ -9,7 +9,7 @@ from test_api_hardening import tiny_tokenizer
 from tiny_models import tiny_llama, tiny_qwen3_next
 
 import mlxspec
-from mlxspec.prompt_cache_file import check_file
+from mlxspec.backends.mlx.prompt_cache_file import check_file
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4]
 
@@ -127,7 +127,7 @@ def test_cli_generate_reads_and_writes_the_file(model_dirs, tmp_path):
     for drafter in ("none", "suffix"):
         assert ok(invoke(*args, "--drafter", drafter, "--prompt-cache-file", str(path))).stdout \
             == plain
-        first = mlxspec.prompt_cache_file.check_file(path)
+        first = check_file(path)
         assert first["format"] == "mlxspec.prompt_cache"
     held = len(mlxspec.PromptCache.load(path, mlxspec.load(model_dirs[0])[0]).tokens)
     assert held > 8  # the prompt and the reply

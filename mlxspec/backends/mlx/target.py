@@ -417,7 +417,7 @@ class PromptCache(KeptCache):
         model = self._model() if self._model is not None else None
         if model is None:
             raise ValueError("the prompt cache holds nothing yet: generate with it first")
-        from ...prompt_cache_file import save
+        from .prompt_cache_file import save
 
         save(self, path, model)
 
@@ -425,7 +425,7 @@ class PromptCache(KeptCache):
     def load(cls, path, model) -> "PromptCache":
         """A prompt cache for `model` holding what `path` holds; ValueError (one line) for
         another model's file, or one truncated or corrupted."""
-        from ...prompt_cache_file import load
+        from .prompt_cache_file import load
 
         kept = cls()
         load(kept, path, model)

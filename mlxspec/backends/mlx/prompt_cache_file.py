@@ -17,7 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from .file_checks import _safetensors_header
+from ...file_checks import _safetensors_header
+from .target_parts import embedding_checksum, target_sizes
 
 FORMAT = "mlxspec.prompt_cache"
 VERSION = "1"
@@ -28,12 +29,8 @@ CLASSES = ("KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache", "Chu
 
 def model_key(model) -> str:
     """What a file must match: the target's sizes and its embedding checksum."""
-    from .backends import backend_for
-
-    parts = backend_for(model)
-    sizes = parts.target_sizes(model)
-    return json.dumps({"sizes": repr(sizes), "embedding": repr(parts.embedding_checksum(model))},
-                      sort_keys=True)
+    return json.dumps({"sizes": repr(target_sizes(model)),
+                       "embedding": repr(embedding_checksum(model))}, sort_keys=True)
 
 
 def save(kept, path: str | Path, model) -> None:
