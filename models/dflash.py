@@ -70,6 +70,9 @@ class DFlashConfig:
     sliding_window: int | None = 4096
     max_window_layers: int = 28
     is_causal: bool | None = None
+    # Not a checkpoint key: mlxspec's --drafter-window, the most context positions (with the
+    # block slot's own) any layer sees, a window over the full-attention layers too.
+    context_window: int | None = None
     tie_word_embeddings: bool = False
     architectures: list = field(default_factory=list)
     num_target_layers: int | None = None
@@ -172,7 +175,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         sliding = layer_type == "sliding_attention"
         self.is_causal = sliding if args.is_causal is None else bool(args.is_causal)
-        self.window = args.sliding_window if sliding else None
+        self.window = context_window(args.sliding_window if sliding else None, args)
 
     def keys_values(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
         """(B, L, H) -> rotated keys and values, each (B, kv_heads, L, head_dim)."""
@@ -232,6 +235,13 @@ class Attention(nn.Module):
         return mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=self.scale, mask=mask
         )
+
+
+def context_window(window: int | None, args: DFlashConfig) -> int | None:
+    """A layer's window, narrowed to the drafter window where one is set (either backend)."""
+    if args.context_window is None:
+        return window
+    return args.context_window if window is None else min(window, args.context_window)
 
 
 def block_mask(start: int, num_ctx: int, length: int, *, causal: bool, window: int | None):

@@ -485,3 +485,25 @@ def test_ddtree_drafts_are_lossless(target, drafter_dir, prompt, budget):
 def test_bad_tree_options_refused(target, drafter_dir, options):
     with pytest.raises(ValueError, match="tree"):
         load_dflash_drafter(drafter_dir, model=target, **options)
+
+
+def test_a_drafter_window_narrows_every_layer_and_changes_no_output(target, drafter_dir):
+    """--drafter-window: the full-attention layer gets a window, the sliding one keeps the
+    narrower of the two; drafts then read less context, and the output stays plain's. A window
+    wider than any context drafts exactly what no window drafts."""
+    windows = lambda d: [layer.self_attn.window for layer in d.model.layers]  # noqa: E731
+    assert windows(load_dflash_drafter(drafter_dir, model=target)) == [4, None]
+    assert windows(load_dflash_drafter(drafter_dir, model=target, window=6)) == [4, 6]
+    narrow = load_dflash_drafter(drafter_dir, model=target, window=2)
+    assert windows(narrow) == [2, 2]
+    for prompt in PROMPTS:
+        plain, _ = run(target, Drafter(), prompt)
+        assert run(target, narrow, prompt)[0] == plain
+        wide, wide_stats = run(target, load_dflash_drafter(drafter_dir, model=target,
+                                                           window=1000), prompt)
+        free, free_stats = run(target, load_dflash_drafter(drafter_dir, model=target), prompt)
+        assert wide == free == plain
+        assert (wide_stats.drafted_per_position, wide_stats.accepted_per_position) == (
+            free_stats.drafted_per_position, free_stats.accepted_per_position)
+    with pytest.raises(ValueError, match="drafter window must be an integer >= 2, got 1"):
+        load_dflash_drafter(drafter_dir, model=target, window=1)

@@ -242,7 +242,7 @@ def check_block_size(block_size: int | None, trained: int) -> int:
 
 
 def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_vocab: bool,
-                    tree_budget: int | None, tree_width: int):
+                    tree_budget: int | None, tree_width: int, window: int | None = None):
     """A DFlash checkpoint's directory (a Hub repo id resolved through the Hugging Face cache;
     HF_HUB_OFFLINE applies), config, and the drafter's options (block size, tree, the draft
     vocabulary: None without one or when `draft_vocab` is False), each checked, and the config
@@ -256,6 +256,10 @@ def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_v
     args = DFlashConfig.from_dict(read_config(path))
     check_against_target(args, sizes)
     check_block_size(block_size, args.block_size)
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"the drafter window must be an integer >= 2, got {window!r}")
+        args.context_window = window
     vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
     return path, args, dict(block_size=block_size, draft_vocab=vocab, tree_budget=tree_budget,
                             tree_width=tree_width)
@@ -263,7 +267,7 @@ def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_v
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
                         dtype=None, draft_vocab: bool = True, tree_budget: int | None = None,
-                        tree_width: int = 4) -> DFlashDrafter:
+                        tree_width: int = 4, window: int | None = None) -> DFlashDrafter:
     """Load a DFlash checkpoint for target `model`: a directory with config.json and
     *.safetensors, or a Hub repo id (through the Hugging Face cache; HF_HUB_OFFLINE applies).
 
@@ -274,10 +278,13 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     one; False ranks the whole vocabulary.
     `tree_budget`: draft a tree of up to this many nodes from each block (DDTree), the
     `tree_width` best tokens of each slot its candidates, instead of a chain.
+    `window`: each layer sees at most this many context positions (with the slot's own), its
+    own sliding window narrowed, full-attention layers windowed: the drafter's cost stops
+    growing with the context (drafts only: the output is the target's either way).
     """
     path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
                                           draft_vocab=draft_vocab, tree_budget=tree_budget,
-                                          tree_width=tree_width)
+                                          tree_width=tree_width, window=window)
     weights = read_weights(path)
     drafter_model = check_weights(args, weights)
     if dtype == "target":  # e.g. a bf16-stored drafter on an fp32 CPU target

@@ -341,6 +341,11 @@ register(DrafterKind(
                  "Output is the same either way."),
         TREE_BUDGET,
         TREE_WIDTH,
+        DrafterOption(
+            "window", "--drafter-window", type=int, minimum=2,
+            help="DFlash: each drafter layer sees at most the last N context positions (a "
+                 "sliding window over every layer, narrowing the checkpoint's own): its cost "
+                 "stops growing with a long context. Output is the same either way."),
     ),
     checkpoint=Checkpoint(
         "a drafter checkpoint trained for this target",

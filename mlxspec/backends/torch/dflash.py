@@ -17,7 +17,7 @@ from torch import nn
 
 from ...drafters.dflash import DFlashDrafting, read_checkpoint
 from ...file_checks import check_safetensors, safetensors_files
-from ...models.dflash import DFlashConfig, check_weight_shapes
+from ...models.dflash import DFlashConfig, check_weight_shapes, context_window
 from .target import decoder_layers, model_device, target_sizes
 from .transfer import host_tokens
 
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         sliding = layer_type == "sliding_attention"
         self.is_causal = sliding if args.is_causal is None else bool(args.is_causal)
-        self.window = args.sliding_window if sliding else None
+        self.window = context_window(args.sliding_window if sliding else None, args)
 
     def keys_values(self, x: torch.Tensor, rope: RoPE, offset: int):
         """(B, L, H) -> rotated keys and values, each (B, kv_heads, L, head_dim)."""
@@ -323,13 +323,13 @@ def final_norm_of(model):
 
 def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
                         draft_vocab: bool = True, tree_budget: int | None = None,
-                        tree_width: int = 4):
+                        tree_width: int = 4, window: int | None = None):
     """Load a DFlash checkpoint for a transformers target `model` (see the MLX loader); the
     drafter runs on the target's device, in the target's dtype. `tree_budget`: draft a DDTree of
     up to this many nodes from each block's `tree_width` best tokens per slot."""
     path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
                                           draft_vocab=draft_vocab, tree_budget=tree_budget,
-                                          tree_width=tree_width)
+                                          tree_width=tree_width, window=window)
     device = model_device(model)
     drafter_model = build_checked(args, read_weights(path, device))
     drafter_model.to(device=device, dtype=next(model.parameters()).dtype)
