@@ -230,6 +230,8 @@ def open_session(make_target, *, model, tokenizer, drafter, request: Request, pr
     max_draft = draft_limit(drafter, num_draft)
     features = bool(drafter.capture_layers)
     kept, options = prompt_cache, {}
+    if features and not getattr(make_target, "keeps_prompt_features", False):
+        kept = None  # a target that cannot start from kept features (torch, a split target)
     cache = None if kept is None else kept.take(model, prompt_tokens, features)
     if features and kept is not None and kept.features is not None and kept.tokens:
         options["held_features"] = kept.features  # of the prefix the cache holds

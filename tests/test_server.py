@@ -324,7 +324,7 @@ def rss_mb() -> float:
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs /proc")
 def test_bounded_load_every_request_served_and_the_server_healthy_after(served, client, smollm):
-    """16 concurrent clients x 3 requests, streamed and not, a third of the streams dropped
+    """32 requests from 16 concurrent clients, streamed and not, a third of the streams dropped
     after two chunks: every finished reply is the greedy reference, none is lost, the queue
     drains, the server answers afterwards and memory returns near where it started."""
     from concurrent.futures import ThreadPoolExecutor
@@ -357,9 +357,9 @@ def test_bounded_load_every_request_served_and_the_server_healthy_after(served, 
         return "dropped", question, None
 
     with ThreadPoolExecutor(max_workers=16) as pool:
-        results = list(pool.map(one, range(48)))
+        results = list(pool.map(one, range(32)))
     finished = [(q, text) for kind, q, text in results if kind != "dropped"]
-    assert len(finished) == 32 and all(text == wanted[q] for q, text in finished)
+    assert len(finished) == 22 and all(text == wanted[q] for q, text in finished)
     deadline = time.time() + 60
     while http("GET", running.url + "/health").json()["queue"] or \
             http("GET", running.url + "/health").json()["busy"]:

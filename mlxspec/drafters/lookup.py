@@ -10,6 +10,7 @@ edited) is searched too, after the sequence itself.
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..sampling import SamplingConfig
+from .match_length import MAX_MATCH, copier_policy
 
 
 class PromptLookupDrafter(Drafter):
@@ -41,6 +42,9 @@ class PromptLookupDrafter(Drafter):
     def begin(self, prompt, features=None):
         self._index.clear()
         self._indexed = 0
+        self.latest_tokens = prompt
+
+    latest_tokens: list[int] = []  # the committed tokens (pending last), for the K policy
 
     def _extend_index(self, tokens: list[int], index: dict, start: int) -> int:
         """Index n-grams ending at positions `start`.. that have a continuation (all but the
@@ -92,7 +96,29 @@ class PromptLookupDrafter(Drafter):
         return Draft(tokens=found[0]) if found else EMPTY_DRAFT
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
-        pass
+        self.latest_tokens = tokens
+
+    def match_length(self, tokens: list[int]) -> int:
+        """How many tokens, up to MAX_MATCH, the text ending at the pending token agrees with
+        the place the next draft copies from (the longest n-gram's latest match, extended
+        backwards); 0 where nothing matches."""
+        self._indexed = self._extend_index(tokens, self._index, self._indexed)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) < n:
+                continue
+            for source, index in ((tokens, self._index), (self.reference, self._reference_index)):
+                ends = index.get(tuple(tokens[-n:]))
+                if ends:
+                    end, m = ends[-1], n
+                    while m < min(MAX_MATCH, len(tokens)) and end - m >= 0 and \
+                            source[end - m] == tokens[-1 - m]:
+                        m += 1
+                    return m
+        return 0
+
+    def draft_policy(self, max_k: int, greedy: bool):
+        """Acceptance by match length (drafters/match_length.py); trees by their budget."""
+        return copier_policy(self, max_k, greedy) or super().draft_policy(max_k, greedy)
 
 
 def merged_tree(runs: list[list[int]], budget: int) -> Draft:

@@ -25,6 +25,7 @@ import struct
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..sampling import SamplingConfig
+from .match_length import copier_policy
 
 
 class _Node:
@@ -290,6 +291,7 @@ class SuffixDrafter(Drafter):
         return twin
 
     def begin(self, prompt, features=None):
+        self.latest_tokens = prompt
         if self._reply is not None:  # the last request never ended (no loop told it)
             self.history.finish(self._reply)
         self._request = SuffixTrie(self.depth)
@@ -297,7 +299,10 @@ class SuffixDrafter(Drafter):
         self._reply = self.history.start()
         self._held = len(prompt)
 
+    latest_tokens: list[int] = []  # the committed tokens (pending last), for the K policy
+
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
+        self.latest_tokens = tokens
         new = tokens[self._held :]
         self._request.extend(new)
         self.history.extend(self._reply, new)
@@ -307,6 +312,25 @@ class SuffixDrafter(Drafter):
         if self._reply is not None:
             self.history.finish(self._reply)
             self._request = self._reply = None
+
+    def match_length(self, tokens: list[int]) -> int:
+        """The longest suffix of `tokens` (up to the depth) that was followed by something in
+        this request or in the history; 0 where none was."""
+        context, longest = tokens[-self.depth :], 0
+        for trie in (self._request, self.history.trie):
+            if trie is None:
+                continue
+            for length in range(1, len(context)):
+                node = trie.find(context[len(context) - length :])
+                if node is None:
+                    break
+                if node.children:
+                    longest = max(longest, length)
+        return longest
+
+    def draft_policy(self, max_k: int, greedy: bool):
+        """Acceptance by match length (drafters/match_length.py); trees by their budget."""
+        return copier_policy(self, max_k, greedy) or super().draft_policy(max_k, greedy)
 
     def copies(self, tokens: list[int], worth: float = 0.0) -> bool:
         """Whether it drafts the step after `tokens` (a copier in front of a model drafter),

@@ -190,6 +190,10 @@ class MLXTarget:
                     f"model uses {', '.join(bad)}, which cannot. Use --drafter none."
                 )
 
+    # It starts from a kept cache's features (held_features) and leaves its prompt's
+    # (prompt_features): a drafter that reads features can continue a prompt cache.
+    keeps_prompt_features = True
+
     def _forward(self, tokens: mx.array, cache: list | None = None, early_exit=None):
         """Logits (n, V) and captured features of `tokens`; with early_exit (E, hidden), the
         first E layers already ran on them (LayerSkip's draft) and only layers E.. run."""
