@@ -144,3 +144,21 @@ def test_bench_overhead_splits_a_step_and_compares_with_mlx_lm(smollm_dir, tmp_p
 def test_bench_overhead_refuses_what_it_does_not_measure(options, words):
     result = CliRunner().invoke(main, ["bench", "--overhead", *options])
     assert result.exit_code == 2 and words in result.output
+
+
+def test_the_agentic_suite_is_three_step_tool_sessions_on_real_code():
+    """mlxspec.prompts.agentic_sessions: HumanEval and ShareGPT code alternating, the same system
+    prompt and steps in each session, each request the conversation so far."""
+    from mlxspec.prompts import AGENT_SYSTEM, agentic_sessions
+
+    sessions = agentic_sessions(4)
+    assert len(sessions) == 4 and sessions == agentic_sessions(4)  # the same every time
+    assert [s.path.startswith("src/pasted_") for s in sessions] == [False, True, False, True]
+    assert "def " in sessions[0].code and sessions[0].failure.startswith("assert")
+    first = sessions[1].messages([])
+    assert [m["role"] for m in first] == ["system", "user"]
+    assert first[0]["content"] == AGENT_SYSTEM and sessions[1].path in first[1]["content"]
+    last = sessions[1].messages(["{read}", "{write}"])
+    assert [m["role"] for m in last] == ["system", "user", "assistant", "user", "assistant",
+                                         "user"]
+    assert sessions[1].code in last[3]["content"] and "run_tests" in last[5]["content"]
