@@ -127,7 +127,8 @@ def stream_generate(
     overlap, kv_bits, kv_group_size), checked before any work; `stream_request` takes one
     already built.
     A `PromptCache` carries the target's KV cache across calls (chat turns), so only the part of
-    the prompt not already in it is prefilled (not with drafters that read target features).
+    the prompt not already in it is prefilled (a drafter that reads target features continues
+    the prompt whose features it kept); `PromptCache.save`/`load` keep it in a file.
     The backend follows the model: an mlx-lm model runs on MLX, a transformers model (from
     `mlxspec.load(..., backend="torch")`) on torch, with a `TorchPromptCache` for `prompt_cache`;
     `backend` ("mlx" or "torch") only checks that the model is of that kind.
