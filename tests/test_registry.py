@@ -227,9 +227,9 @@ def test_an_unregistered_drafter_is_refused_again(tiny_dir):
     assert result.exit_code == 2 and "'repeat' is not one of 'none'" in result.stderr
 
 
-def test_a_registered_model_drafter_gets_its_lookup_form_and_flags(tiny, tiny_dir):
-    """A drafter with a checkpoint: its +lookup form, the checkpoint required by the CLI when
-    nothing ships, and the path handed to its factory."""
+def test_a_registered_model_drafter_gets_its_copy_first_forms_and_flags(tiny, tiny_dir):
+    """A drafter with a checkpoint: its +lookup and +suffix forms, the checkpoint required by
+    the CLI when nothing ships, and the path handed to its factory."""
     model, tokenizer = tiny
     seen = []
 
@@ -240,16 +240,19 @@ def test_a_registered_model_drafter_gets_its_lookup_form_and_flags(tiny, tiny_di
     registry.register(DrafterKind("toy", {"mlx": build},
                                   checkpoint=registry.Checkpoint("a toy checkpoint")))
     try:
-        assert registry.drafter_names()[-1] == "toy+lookup"
+        names = registry.drafter_names()
+        assert names[-1] == "toy+suffix" and "toy+lookup" in names
         drafter = mlxspec.load_drafter("toy+lookup", tiny_dir, model=model, tokenizer=tokenizer)
         assert drafter.name == "repeat+lookup" and seen == [tiny_dir]
+        drafter = mlxspec.load_drafter("toy+suffix", tiny_dir, model=model, tokenizer=tokenizer)
+        assert drafter.name == "repeat+suffix" and seen == [tiny_dir, tiny_dir]
         with pytest.raises(ValueError, match=r"the toy drafter needs a toy checkpoint"):
             mlxspec.load_drafter("toy+lookup", model=model, tokenizer=tokenizer)
         result = invoke("generate", "--prompt", "hi", "--drafter", "toy+lookup")
         assert result.exit_code == 2 and "--drafter toy+lookup needs --draft-model" in result.stderr
     finally:
         registry.unregister("toy")
-    assert "toy+lookup" not in registry.drafter_names()
+    assert not {"toy+lookup", "toy+suffix"} & set(registry.drafter_names())
 
 
 # ---- The MLX path imports no torch ----------------------------------------------------------
