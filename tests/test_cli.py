@@ -388,8 +388,10 @@ def test_chat_ctrl_c_in_real_process():
         pytest.skip(f"console script not installed at {SCRIPT}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
+        # 300 tokens: SIGINT lands mid-reply (it is sent after the first 20 characters), and
+        # the next turn stays bounded (2000 once let it run 3 minutes of CI)
         [sys.executable, "-c", SIGINT_DEFAULT_THEN_EXEC, str(SCRIPT), "chat", "--max-tokens",
-         "2000", "--no-color"],  # long: SIGINT lands mid-reply
+         "300", "--no-color"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )
     out, err = _Reader(proc.stdout), _Reader(proc.stderr)
