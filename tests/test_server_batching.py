@@ -436,7 +436,9 @@ def test_suffix_requests_draft_from_earlier_replies(tiny, max_batch):
         details = again["usage"]["completion_tokens_details"]
         accepted, rejected = (details[f"{k}_prediction_tokens"] for k in ("accepted", "rejected"))
         assert accepted >= 8 and accepted >= 3 * rejected
-        assert again["usage"]["mlxspec"]["target_passes"] < \
+        # no more passes (fewer as a rule; the adaptive K follows measured step times, so
+        # one run in CI tied at 11)
+        assert again["usage"]["mlxspec"]["target_passes"] <= \
             first["usage"]["mlxspec"]["target_passes"]
     finally:
         running.stop()
