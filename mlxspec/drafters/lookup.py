@@ -62,20 +62,26 @@ class PromptLookupDrafter(Drafter):
         """Up to `branches` different runs of up to k tokens that followed earlier matches of the
         suffix: the longest n-gram's latest match first, then older ones, then the reference's,
         then shorter n-grams'."""
-        self._indexed = self._extend_index(tokens, self._index, self._indexed)
         found = []
+        for source, end, _ in self._matches(tokens):
+            copied = source[end + 1 : end + 1 + k]
+            if copied and copied not in found:
+                found.append(copied)
+            if len(found) == self.branches:
+                return found
+        return found
+
+    def _matches(self, tokens: list[int]):
+        """(source, end, n) of each earlier match of the suffix's last n tokens, ending at `end`
+        of `source` (the sequence or the reference), in the order continuations drafts them."""
+        self._indexed = self._extend_index(tokens, self._index, self._indexed)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < n:
                 continue
             suffix = tuple(tokens[-n:])
             for source, index in ((tokens, self._index), (self.reference, self._reference_index)):
                 for end in reversed(index.get(suffix, [])):
-                    copied = source[end + 1 : end + 1 + k]
-                    if copied and copied not in found:
-                        found.append(copied)
-                    if len(found) == self.branches:
-                        return found
-        return found
+                    yield source, end, n
 
     def continuation(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier match of the longest suffix n-gram
@@ -102,18 +108,11 @@ class PromptLookupDrafter(Drafter):
         """How many tokens, up to MAX_MATCH, the text ending at the pending token agrees with
         the place the next draft copies from (the longest n-gram's latest match, extended
         backwards); 0 where nothing matches."""
-        self._indexed = self._extend_index(tokens, self._index, self._indexed)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(tokens) < n:
-                continue
-            for source, index in ((tokens, self._index), (self.reference, self._reference_index)):
-                ends = index.get(tuple(tokens[-n:]))
-                if ends:
-                    end, m = ends[-1], n
-                    while m < min(MAX_MATCH, len(tokens)) and end - m >= 0 and \
-                            source[end - m] == tokens[-1 - m]:
-                        m += 1
-                    return m
+        for source, end, m in self._matches(tokens):  # the first: the one copied from
+            while m < min(MAX_MATCH, len(tokens)) and end - m >= 0 and \
+                    source[end - m] == tokens[-1 - m]:
+                m += 1
+            return m
         return 0
 
     def draft_policy(self, max_k: int, greedy: bool):
