@@ -153,8 +153,7 @@ def keep_row(cache, row: Row, caches: list, held: int | None, *, prompt_length: 
     last token), whose features the row kept (those of its reply went to its drafter)."""
     cache.cache = caches
     if row.drafter.capture_layers:
-        cache.features = row.prompt_features
-        cache.remember(row.tokens[: prompt_length - 1])
+        cache.remember_prompt(row.tokens[:prompt_length], row.prompt_features)
     else:
         cache.features = None
         cache.remember(row.tokens)

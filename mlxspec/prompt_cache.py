@@ -72,13 +72,9 @@ class KeptCache:
     def remember_prompt(self, prompt: Sequence[int], features) -> None:
         """After a generation whose drafter read target features: keep the prompt (but its
         pending last token) with `features`, the prompt's, the reply's having gone to the
-        drafter; where they are missing, or the cache cannot be cut back to it, start afresh."""
+        drafter (see `remember` for a cache that cannot be cut back to it)."""
+        self.features = features
         self.remember(prompt[:-1])
-        if self.cache is not None and features is not None and \
-                features.shape[0] == len(self.tokens):
-            self.features = features
-        else:
-            self.cache, self.tokens, self.features = None, [], None
 
     def remember(self, tokens: Sequence[int]) -> None:
         """After a generation: `tokens` (prompt + output) begins with what the cache now holds;

@@ -414,7 +414,7 @@ def check_kv_group_size(model, group_size: int) -> None:
 
 class PromptCache(KeptCache):
     """mlx-lm's per-layer caches kept across calls (chat turns): see KeptCache. `save` and
-    `load` keep it in a safetensors file across processes (mlxspec/prompt_cache_file.py)."""
+    `load` keep it in a safetensors file across processes (prompt_cache_file.py beside this)."""
 
     def save(self, path) -> None:
         """Write what it holds to `path` (safetensors), whole or not at all."""
