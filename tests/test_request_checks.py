@@ -166,3 +166,19 @@ def test_text_surely_over_the_window_is_refused_before_tokenising(tiny, chat):
                       drafters=("none",))
     assert refused.value.code == "context_length_exceeded"
     assert refused.value.param == ("messages" if chat else "prompt")
+
+
+def test_a_request_may_fix_its_k(tiny):
+    """The server's `adaptive` field: false drafts num_draft every step (a fixed K, so a
+    request's passes depend on its drafts alone), true or left out keeps the adaptive K."""
+    from mlxspec.server.requests import parse_request
+
+    _, tokenizer = tiny
+
+    def adaptive(**extra):
+        body = {"prompt": "hi", "max_tokens": 2, "num_draft": 3, **extra}
+        return parse_request(body, chat=False, tokenizer=tokenizer, context_length=8192,
+                             drafters=("none",)).generation.adaptive
+
+    assert adaptive() is True and adaptive(adaptive=True) is True
+    assert adaptive(adaptive=False) is False

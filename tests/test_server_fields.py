@@ -118,6 +118,7 @@ def events(reply) -> list[dict]:
      "context_length_exceeded"),
     ("chat", {"num_draft": 10**7}, "num_draft", None),
     ("chat", {"num_draft": 9}, "num_draft", None),  # over this server's --max-num-draft
+    ("chat", {"adaptive": "false"}, "adaptive", None),
     ("chat", {"prediction": {"type": "content", "content": [{"type": "text", "text": 5}]}},
      "prediction.content", None),
     ("chat", {"top_logprobs": 2}, "top_logprobs", None),
@@ -149,7 +150,8 @@ def test_harmless_fields_are_accepted(served):
                           "metadata": {"k": "v"}, "presence_penalty": 0, "frequency_penalty": 0,
                           "logit_bias": {}, "n": 1, "store": False, "parallel_tool_calls": True,
                           "response_format": {"type": "text"}, "tool_choice": "auto",
-                          "seed": 2**64 - 1, "num_draft": 8, "stream": True,
+                          "seed": 2**64 - 1, "num_draft": 8, "adaptive": False,
+                          "stream": True,
                           "stream_options": {"include_usage": False}})
     assert reply.status_code == 200, reply.text
     assert "usage" not in events(reply)[-1]

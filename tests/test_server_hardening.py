@@ -211,7 +211,7 @@ def test_metrics_need_the_key_and_health_stays_open(smollm):
 
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "drafter",
-          "num_draft", "n", "prediction", "logprobs", "top_logprobs", "tools", "tool_choice",
+          "num_draft", "adaptive", "n", "prediction", "logprobs", "top_logprobs", "tools", "tool_choice",
           "response_format", "user", "frequency_penalty", "presence_penalty"]
 WEIRD = [None, True, False, 0, -1, 1, 2**63, 10**30, -(10**30), 1e308, -1e308, 0.5, "", "x",
          "false", "\u0000", "\ud7ff\ue000😀" * 20, "é" * 5000, [], {}, [1, "a", None],

@@ -14,15 +14,15 @@ from ..generate import encode_prompt
 from ..request import MAX_LOGPROBS, Request
 from ..sampling import SamplingConfig, check_seed
 
-# Fields both endpoints honour: OpenAI's, then mlxspec's own (drafter, num_draft, top_k, min_p;
-# prediction is OpenAI's predicted outputs, taken by completions too). `user` and `metadata` are
+# Fields both endpoints honour: OpenAI's, then mlxspec's own (drafter, num_draft, adaptive, top_k,
+# min_p; prediction is OpenAI's predicted outputs, taken by completions too). `user` and `metadata` are
 # accepted and have no effect by definition (an end-user id for OpenAI's abuse monitoring, tags
 # for stored completions, and nothing is stored); the other OpenAI fields below are accepted only
 # at the value that asks for nothing this server would have to do (see DEFAULT_ONLY).
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user",
-    "drafter", "num_draft", "prediction", "top_k", "min_p",
+    "drafter", "num_draft", "adaptive", "prediction", "top_k", "min_p",
 })
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -403,6 +403,8 @@ def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
                     min_p=_number(body, "min_p", 0.0), seed=_seed(body))
     stop, include_usage = _stops(body), _include_usage(body, stream)
     num_draft, logprobs = _num_draft(body, max_num_draft), _logprobs(body, chat)
+    # false: every step drafts num_draft (a fixed K), as `mlxspec generate --fixed-k`
+    adaptive = _boolean(body.get("adaptive"), "adaptive", default=True)
     try:  # the sampler's own checks (top_p in (0, 1], ...), in its words
         sampling = SamplingConfig(**sampling)
     except (TypeError, ValueError) as err:
@@ -411,7 +413,8 @@ def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
     prompt = _prompt(body, chat, tokenizer, tools, context_length)
     max_tokens = _max_tokens(body, chat, prompt, context_length)
     prediction = _prediction(body, lambda text: tokenizer.encode(text, add_special_tokens=False))
-    generation = Request(max_tokens, sampling, num_draft=num_draft, logprobs=logprobs)
+    generation = Request(max_tokens, sampling, num_draft=num_draft, adaptive=adaptive,
+                         logprobs=logprobs)
     return GenerationRequest(chat=chat, prompt=prompt, generation=generation, stop=stop,
                              stream=stream, include_usage=include_usage, drafter=drafter,
                              prediction=prediction, tools=tools)
