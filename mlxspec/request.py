@@ -19,6 +19,14 @@ def check_count(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def check_drafter_window(window) -> int | None:
+    """--drafter-window: None (the checkpoint's own view), or at least 2 context positions
+    (one before the drafted position and its own)."""
+    if window is not None and (not is_integer(window) or window < 2):
+        raise ValueError(f"the drafter window must be an integer >= 2, got {window!r}")
+    return window
+
+
 def check_logprobs(logprobs) -> None:
     """`logprobs`: None, or how many likeliest tokens to list (0 to 20)."""
     if logprobs is None:

@@ -76,6 +76,9 @@ class Eagle3Config:
     norm_before_fc: bool = False
     tie_word_embeddings: bool = False
     num_speculative_tokens: int | None = None
+    # Not a checkpoint key: mlxspec's --drafter-window, the most cache entries (its own
+    # included) an entry attends to, so a step's cost stops growing with the context.
+    context_window: int | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -280,6 +283,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, rope, mask, cache: KVCache, offset: int) -> mx.array:
         q, k, v = self.project(x, rope, offset)
         k, v = cache.update_and_fetch(k, v)
+        if isinstance(mask, mx.array) and mask.shape[-1] < k.shape[2]:  # a window's last keys
+            k, v = k[..., -mask.shape[-1] :, :], v[..., -mask.shape[-1] :, :]
         return self.output(scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale,
                                                         mask=mask))
 
@@ -390,12 +395,14 @@ class Eagle3Model(nn.Module):
         position and `mask` (L, cached + L) the entries it sees, its ancestors' and its own."""
         embeds = self.embed(tokens).astype(self.dtype)
         h = hidden.astype(self.dtype)
-        c = cache[0]
+        c, window = cache[0], self.args.context_window
         if positions is None:
             rope, offset = self.rope, c.offset + 1  # pair i embeds token i+1
-            mask = create_attention_mask(h, c)
+            mask = create_attention_mask(h, c) if window is None else None
         else:  # the L entries rotated as L one-position sequences, one position each
             rope, offset = TreeRoPE(self.rope, positions), 0
+        if window is not None:
+            mask = window_mask(c.offset, h.shape[1], window, mask, positions)
         return self.layers[0](embeds, h, rope, mask, c, offset)
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -417,3 +424,26 @@ class Eagle3Model(nn.Module):
     def target_ids(self) -> mx.array:
         """The target id of every draft-vocabulary row, (draft_vocab,)."""
         return self.to_target(mx.arange(self.args.draft_vocab_size))
+
+
+def window_mask(cached: int, length: int, window: int, mask: mx.array | None,
+                positions: mx.array | None) -> mx.array:
+    """What `length` new entries see through a drafter window: entry e at RoPE position p_e sees
+    the entries at positions in (p_e - window, p_e] that `mask` lets it see.
+
+    A chain (positions None: the new entries next in order, causal): pair i sits at position
+    i + 1, so no visible entry lies before the last window - 1 cached ones, and only those
+    columns are kept: the attention reads at most window - 1 + length keys, whatever the
+    context. A tree's entries (`positions`, `mask` their ancestors) see the committed pairs
+    within the window and all their ancestors (earlier depths' entries count as just behind
+    them); the mask keeps every column, as a tree's entries are not in position order."""
+    if positions is None:
+        positions = mx.arange(cached + 1, cached + 1 + length)
+        causal = mx.arange(cached + length)[None] <= mx.arange(cached, cached + length)[:, None]
+        keys = mx.arange(1, cached + length + 1)
+        visible = causal & (positions[:, None] - keys[None] < window)
+        return visible[:, -min(cached + length, window - 1 + length) :]
+    positions = positions.astype(mx.int32)
+    behind = mx.minimum(mx.arange(1, cached + 1), positions.min() - 1)
+    keys = mx.concatenate([behind, positions])
+    return mask & (positions[:, None] - keys[None] < window)

@@ -324,6 +324,49 @@ def test_rolled_back_tokens_trim_the_context(llama, llama_drafter_dir):
     assert mx.allclose(mx.stack(drafter.chain_logits(tokens, 3)), before, atol=1e-5).item()
 
 
+def test_a_drafter_window_bounds_what_an_entry_attends_to(llama, llama_drafter_dir):
+    """--drafter-window W: a chain step attends to its own entry and the W - 1 before it, so it
+    equals the same step over a cache holding only those (RoPE sees differences only); the
+    prefill's last pair likewise sees only the last W pairs."""
+    window, tokens = 3, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    windowed = load_eagle3_drafter(llama_drafter_dir, model=llama, window=window)
+    free = load_eagle3_drafter(llama_drafter_dir, model=llama)
+    features = MLXTarget(llama, capture_layers=free.capture_layers).prefill(tokens)
+    windowed.begin(tokens, features)
+    free.begin(tokens[-window - 1 :], features[-window:])  # only the last W pairs
+    assert mx.allclose(windowed._hidden[-1][-1], free._hidden[-1][-1], atol=1e-5).item()
+    free.begin(tokens[-window:], features[-(window - 1) :])  # only the last W - 1 pairs
+    model = windowed.model
+    step = (mx.array([[4]]), mx.ones((1, 1, model.args.hidden_size)))  # a chain step's input
+    reference = free.model(*step, free.cache)
+    assert mx.allclose(model(*step, windowed.cache), reference, atol=1e-5).item()
+    windowed.cache[0].trim(1)
+    model.args.context_window = None  # the same step without the window sees more, and differs
+    assert not mx.allclose(model(*step, windowed.cache), reference, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("options", [{}, {"tree_budget": 8, "tree_width": 3}],
+                         ids=["chain", "tree"])
+def test_a_drafter_window_changes_no_output(llama, llama_drafter_dir, options):
+    """The narrowest window still gives plain decoding's output; one wider than any context
+    drafts exactly as no window."""
+    k = options.get("tree_budget", 4)
+    for prompt in PROMPTS:
+        plain, _ = run(llama, Drafter(), prompt, max_tokens=24, k=k)
+        narrow = load_eagle3_drafter(llama_drafter_dir, model=llama, window=2, **options)
+        assert run(llama, narrow, prompt, max_tokens=24, k=k)[0] == plain
+        wide, wide_stats = run(llama, load_eagle3_drafter(llama_drafter_dir, model=llama,
+                                                          window=1000, **options),
+                               prompt, max_tokens=24, k=k)
+        _, free_stats = run(llama, load_eagle3_drafter(llama_drafter_dir, model=llama,
+                                                       **options), prompt, max_tokens=24, k=k)
+        assert wide == plain
+        assert (wide_stats.drafted_per_position, wide_stats.accepted_per_position) == (
+            free_stats.drafted_per_position, free_stats.accepted_per_position)
+    with pytest.raises(ValueError, match="drafter window must be an integer >= 2, got 1"):
+        load_eagle3_drafter(llama_drafter_dir, model=llama, window=1)
+
+
 @pytest.mark.slow  # χ²: thousands of sampled generations
 def test_sampled_output_follows_target_distribution(tmp_path):
     """Chi-squared against the exact distribution (tests/test_sampling_exactness.py), drafting
@@ -509,6 +552,16 @@ def test_eagle3_from_the_cli_is_lossless(tmp_path):
         spec = run("--drafter", "eagle3", "--draft-model", str(FIXTURES / layout), "--verbose")
         assert spec.stdout == plain.stdout
         assert int(re.search(r"drafted: (\d+)", spec.stderr)[1]) > 0, spec.stderr
+    windowed = run("--drafter", "eagle3", "--draft-model", str(FIXTURES / "speculators"),
+                   "--drafter-window", "2")
+    assert windowed.stdout == plain.stdout
+    for options in (["eagle3", "--draft-model", str(FIXTURES / "speculators"),
+                     "--drafter-window", "1"],  # too narrow
+                    ["lookup", "--drafter-window", "8"]):  # lookup has no view to bound
+        refused = CliRunner().invoke(main, ["generate", "--model", str(target), "-p", "ab",
+                                            "--drafter", *options])
+        assert refused.exit_code != 0 and "window" in refused.output, refused.output
+        assert "Traceback" not in refused.output
     refused = CliRunner().invoke(main, ["generate", "--model", str(target), "-p", "ab", "-n", "2",
                                         "--drafter", "eagle3"])
     assert refused.exit_code != 0 and "--draft-model" in refused.output

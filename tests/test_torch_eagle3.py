@@ -119,6 +119,24 @@ def test_tree_candidates_equal_mlx(twins96, layout, sampling):
     assert (mine.tokens, mine.parents) == (other.tokens, other.parents)
 
 
+@pytest.mark.parametrize("options", [{}, {"tree_budget": 12, "tree_width": 3}],
+                         ids=["chain", "tree"])
+def test_a_drafter_window_masks_as_on_mlx(twins96, options):
+    """--drafter-window 3: the prefill's outputs, chain steps and tree candidates as MLX's
+    windowed drafter gives them (torch masks the cache; MLX also reads fewer keys)."""
+    model, twin = twins96
+    ours, theirs = pair(FIXTURES / "speculators", model, twin, TOKENS, window=3, **options)
+    assert close(ours._hidden, theirs._hidden)
+    if options:
+        mine, other = (d.tree_candidates(TOKENS, 12, GREEDY) for d in (ours, theirs))
+        assert np.abs(np.array(mine[0]) - np.array(other[0])).max() < ATOL
+        assert (mine[1], mine[2]) == (other[1], other[2])
+    else:
+        assert close(ours.chain_logits(TOKENS, 4), theirs.chain_logits(TOKENS, 4))
+    free, _ = pair(FIXTURES / "speculators", model, twin, TOKENS, **options)
+    assert not close(free._hidden, ours._hidden)  # the window changed what they see
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["target-head", "tied-embedding"])
 def test_a_checkpoint_without_lm_head_ranks_as_on_mlx(twins12, tmp_path, tied):
     """No embed_tokens and no lm_head (the whole vocabulary drafts): the target's embedding, and

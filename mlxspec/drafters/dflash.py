@@ -21,6 +21,7 @@ import mlx.nn as nn
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..backends.mlx.hidden_states import decoder_layers
 from ..models.dflash import DFlashConfig, check_weights, read_config, read_draft_vocab, read_weights
+from ..request import check_drafter_window
 from ..sampling import SamplingConfig
 from ..backends.mlx.target_parts import (
     dtype_of,
@@ -256,9 +257,7 @@ def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_v
     args = DFlashConfig.from_dict(read_config(path))
     check_against_target(args, sizes)
     check_block_size(block_size, args.block_size)
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"the drafter window must be an integer >= 2, got {window!r}")
+    if check_drafter_window(window) is not None:
         args.context_window = window
     vocab = read_draft_vocab(path, args.vocab_size) if draft_vocab else None
     return path, args, dict(block_size=block_size, draft_vocab=vocab, tree_budget=tree_budget,

@@ -40,17 +40,21 @@ class Eagle3Drafter(Eagle3Drafting, MLXPairedDrafting):
 
 
 def load_eagle3_drafter(path, *, model, tokenizer=None, dtype=None, tree_budget: int | None = None,
-                        tree_width: int = 4, tree_depth: int = 6) -> Eagle3Drafter:
+                        tree_width: int = 4, tree_depth: int = 6,
+                        window: int | None = None) -> Eagle3Drafter:
     """Load an EAGLE-3 checkpoint directory (speculators or SpecForge/SGLang layout) for target
     `model`, checked against it before any compute (see eagle3_loading.load_eagle3_model).
     `tokenizer` is accepted for symmetry with other drafters.
     `tree_budget`: draft EAGLE-2's dynamic tree of up to this many nodes, `tree_width` children
-    per node and `tree_depth` levels, instead of a chain."""
+    per node and `tree_depth` levels, instead of a chain.
+    `window`: each entry attends to at most this many drafter cache entries (its own
+    included), so a step's cost stops growing with the context (drafts only: the output is
+    the target's either way)."""
     from ..backends.mlx.target_parts import target_sizes
     from .eagle3_loading import load_eagle3_model
 
     check_tree_options(tree_budget, tree_width, tree_depth)
-    drafter_model = load_eagle3_model(path, model=model, dtype=dtype)
+    drafter_model = load_eagle3_model(path, model=model, dtype=dtype, window=window)
     _, vocab, _ = target_sizes(model)
     return Eagle3Drafter(drafter_model, num_target_layers=len(decoder_layers(model)),
                          target_vocab=vocab, tree_budget=tree_budget, tree_width=tree_width,

@@ -29,6 +29,7 @@ from ..checkpoint_checks import check_checkpoint_config
 from ..models.dflash import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Model
 from ..backends.mlx.target_parts import dtype_of, target_embedding, target_head, target_sizes
+from ..request import check_drafter_window
 from ..target_sizes import TargetSizes
 
 
@@ -174,14 +175,18 @@ def sizes_of(model) -> TargetSizes:
     return backend_for(model).target_sizes(model)
 
 
-def read_checkpoint(path, sizes: TargetSizes, *, read_tensors, build, is_integer):
+def read_checkpoint(path, sizes: TargetSizes, *, read_tensors, build, is_integer,
+                    window: int | None = None):
     """Every check of a checkpoint for a target of these `sizes`, in order, with the backend's
     tensors: config.json against the target (sizes, aux layers) before any weight is read, then
     names and shapes (of the model `build(args, own_embed, own_head)` returns with its
     parameter shapes), then d2t against the target's vocabulary.
+    `window`: the drafter window (--drafter-window), checked first and kept in the config.
     Returns (config, that model, the weights it loads, d2t or None)."""
+    check_drafter_window(window)
     path = resolve(path)
     args = read_config(path)
+    args.context_window = window
     check_against_target(args, sizes)
     weights = canonical_weights(read_tensors(path))
     own_embed, own_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
@@ -213,7 +218,7 @@ def _mlx_model(args: Eagle3Config, own_embed: bool, own_head: bool):
     return model, {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
 
 
-def load_eagle3_model(path, *, model, dtype=None) -> Eagle3Model:
+def load_eagle3_model(path, *, model, dtype=None, window: int | None = None) -> Eagle3Model:
     """Read, check against target `model` and load an EAGLE-3 checkpoint directory.
 
     Order: config.json against the target (sizes, aux layers), then the weights' names and
@@ -224,7 +229,7 @@ def load_eagle3_model(path, *, model, dtype=None) -> Eagle3Model:
     """
     args, drafter, weights, d2t = read_checkpoint(
         path, target_sizes(model), read_tensors=read_weights, build=_mlx_model,
-        is_integer=lambda a: mx.issubdtype(a.dtype, mx.integer))
+        is_integer=lambda a: mx.issubdtype(a.dtype, mx.integer), window=window)
     own_embed, own_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
     if dtype == "target":
         dtype = dtype_of(target_head(model))

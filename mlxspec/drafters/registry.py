@@ -292,6 +292,11 @@ TREE_WIDTH = DrafterOption(
     help="With --tree-budget: the most children a tree node may have (DFlash, Medusa: the best "
          "tokens of each block slot or head; EAGLE-3, MTP: each expanded node's best tokens, and nodes "
          "expanded per depth).")
+DRAFTER_WINDOW = DrafterOption(
+    "window", "--drafter-window", type=int, minimum=2,
+    help="DFlash, EAGLE-3: the drafter sees at most the last N context positions (DFlash: "
+         "every layer, narrowing the checkpoint's own sliding window; EAGLE-3: its layer's "
+         "cache): its cost stops growing with a long context. Output is the same either way.")
 
 register(DrafterKind("none", host_only(PlainDecoding)))
 register(DrafterKind(
@@ -341,11 +346,7 @@ register(DrafterKind(
                  "Output is the same either way."),
         TREE_BUDGET,
         TREE_WIDTH,
-        DrafterOption(
-            "window", "--drafter-window", type=int, minimum=2,
-            help="DFlash: each drafter layer sees at most the last N context positions (a "
-                 "sliding window over every layer, narrowing the checkpoint's own): its cost "
-                 "stops growing with a long context. Output is the same either way."),
+        DRAFTER_WINDOW,
     ),
     checkpoint=Checkpoint(
         "a drafter checkpoint trained for this target",
@@ -359,7 +360,7 @@ register(DrafterKind(
     "eagle3",
     {"mlx": lazy("mlxspec.drafters.eagle3", "load_eagle3_drafter"),
      "torch": lazy("mlxspec.backends.torch.eagle3", "load_eagle3_drafter")},
-    options=(TREE_BUDGET, TREE_WIDTH),
+    options=(TREE_BUDGET, TREE_WIDTH, DRAFTER_WINDOW),
     checkpoint=Checkpoint(
         "an EAGLE-3 drafter checkpoint trained for this target (speculators or SpecForge/SGLang "
         "layout)",

@@ -141,13 +141,21 @@ class Eagle3Model(nn.Module):
     def forward(self, tokens, hidden, cache, *, mask=None, positions=None) -> torch.Tensor:
         """models.eagle3.Eagle3Model.__call__: tokens (B, L) and hidden (B, L, H) -> the
         layer's output (B, L, H), L entries appended to `cache`. Pair i sits at position i+1;
-        a tree's entries bring `positions` (L,) and a bool `mask` (L, cached + L)."""
+        a tree's entries bring `positions` (L,) and a bool `mask` (L, cached + L). A drafter
+        window (models.eagle3.window_mask) masks what lies beyond it."""
         h = hidden.to(self.dtype)
         past, L = cache_length(cache), tokens.shape[1]
-        if positions is None:
+        window, tree = self.args.context_window, positions is not None
+        if not tree:
             positions = torch.arange(past + 1, past + 1 + L, device=h.device)
-            if L > 1:
+            if L > 1 or window is not None:
                 mask = block_mask(past, past, L, causal=True, window=None, device=h.device)
+        if window is not None:  # models.eagle3.window_mask's rule, masked only
+            behind = torch.arange(1, past + 1, device=h.device)
+            if tree:  # earlier depths' entries count as just behind this one
+                behind = behind.clamp(max=int(positions.min()) - 1)
+            keys = torch.cat([behind, positions])
+            mask = mask & (positions[:, None] - keys[None] < window)
         rotation = self.rotary(h, positions[None])
         return self.layers[0](self.embed(tokens), h, rotation, additive(mask, self.dtype), cache)
 
@@ -221,17 +229,19 @@ def _is_integer(tensor: torch.Tensor) -> bool:
 
 
 def load_eagle3_drafter(path, *, model, tokenizer=None, tree_budget: int | None = None,
-                        tree_width: int = 4, tree_depth: int = 6) -> TorchEagle3Drafter:
+                        tree_width: int = 4, tree_depth: int = 6,
+                        window: int | None = None) -> TorchEagle3Drafter:
     """Load an EAGLE-3 checkpoint directory (speculators or SpecForge/SGLang layout) for a
     transformers target `model`, checked against it before any weight loads, exactly as the
     MLX loader checks it; the drafter runs on the target's device, in the target's dtype.
     `tree_budget`: draft EAGLE-2's dynamic tree of up to this many nodes, `tree_width`
-    children per node and `tree_depth` levels, instead of a chain."""
+    children per node and `tree_depth` levels, instead of a chain. `window`: as the MLX
+    loader's."""
     check_tree_options(tree_budget, tree_width, tree_depth)
     device, dtype, sizes = model_device(model), model.dtype, target_sizes(model)
     args, drafter, weights, d2t = read_checkpoint(
         path, sizes, read_tensors=lambda p: read_weights(p, device), build=_meta_model,
-        is_integer=_is_integer)
+        is_integer=_is_integer, window=window)
     weights = {n: w.to(dtype) if w.is_floating_point() else w for n, w in weights.items()}
     drafter.load_state_dict(weights, strict=True, assign=True)
     drafter.rotary.to(device)
