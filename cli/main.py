@@ -30,6 +30,7 @@ from mlxspec.cli.targets import _backend_line, load_target, split_target  # noqa
 from mlxspec.cli.train import train  # noqa: E402
 from mlxspec.distributed import DistributedError  # noqa: E402
 from mlxspec.drafters import registry  # noqa: E402
+from mlxspec.prompts import SUITES  # noqa: E402
 
 
 POSITIVE = click.IntRange(min=1)  # a count: 0 or -1 would mean "none" or "all", silently
@@ -475,7 +476,9 @@ def bench_drafter_options(f):
                    "dflash:tree-budget=16 beside dflash (chain and tree in one run).")
 @bench_drafter_options
 @click.option("--suite", "suites", default="humaneval,mtbench,copy", show_default=True,
-              callback=_csv(str), help="Comma-separated prompt suites.")
+              callback=_csv(str),
+              help=f"Comma-separated prompt suites, from: {', '.join(SUITES)} (long1k/4k/8k: "
+                   "long-context requests about a module of real code filling that window).")
 @click.option("--temp", "temps", default="0", show_default=True, callback=_csv(float),
               help="Comma-separated temperatures.")
 @click.option("--max-tokens", "-n", type=POSITIVE, default=128, show_default=True)
@@ -519,7 +522,7 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
           **drafter_flags):
     """Benchmark drafters against plain decoding and mlx-lm, interleaved in one run."""
     import mlxspec
-    from mlxspec.bench import SUITES, fixed_k, markdown_table, run_benchmark
+    from mlxspec.bench import fixed_k, markdown_table, run_benchmark, suite_chat_prompts
     from mlxspec.distributed import launched
     from mlxspec.loading import gguf_file
 
@@ -576,6 +579,7 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
 
             server_model(server)
         target, tokenizer = mlxspec.load(model, dtype=dtype, backend=backend, device=device)
+        prompts = suite_chat_prompts(target, tokenizer, suites, limit, max_tokens)
         made, built = {}, {}  # one drafter per kind and options, whatever the K
         skipped = []  # drafters this target cannot run (no MTP modules), with the reason
         for label, (name, own) in labels.items():
@@ -608,7 +612,7 @@ def bench(model, dtype, backend, device, drafters, suites, temps, max_tokens, li
         mlx_lm_num_draft=mlx_lm_num_draft, with_mlx_lm=with_mlx_lm, with_llama_cpp=with_llama_cpp,
         llama_cpp_gguf=llama_cpp_gguf or gguf_file(model), llama_cpp_num_draft=llama_cpp_num_draft,
         adaptive=adaptive, compare=[p for p in pairs if set(p) <= set(built)], skipped=skipped,
-        server=server,
+        server=server, prompts_by_suite=prompts,
         progress=lambda line: click.echo(line, err=True),
     )
     report["settings"]["model"] = model or "default (SmolLM2-135M-Instruct)"

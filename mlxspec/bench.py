@@ -19,12 +19,11 @@ from . import _blas
 from .generate import encode_prompt, stream_request
 from .intervals import paired_ratio, paired_tau_ratio, tau, tau_interval
 from .peers import LlamaCppPeer, llama_cpp_missing
-from .prompts import copy_prompts, humaneval_prompts, mtbench_prompts
+from .prompts import LONG_CONTEXT_SIZES, SUITES, suite_prompts
 from .request import Request, check_count
 from .rollback import recurrent_layers, restore, snapshot, trim_attention
 from .sampling import SamplingConfig
 
-SUITES = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts, "copy": copy_prompts}
 
 
 @dataclass
@@ -210,6 +209,29 @@ def check_counts(**counts) -> None:
             check_count(name, value)
 
 
+def suite_chat_prompts(model, tokenizer, suites: list[str], limit: int | None,
+                       max_tokens: int) -> dict:
+    """Each suite's prompts as the benchmark sends them, checked before any compute: the suite
+    is known, and every prompt with its answer fits the model's window (a long-context suite
+    on a model with a shorter window is refused, naming both)."""
+    from .backends import backend_for
+
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
+    prompts_by_suite = {suite: [chat_prompt(tokenizer, p)
+                                for p in suite_prompts(suite, limit, tokenizer)]
+                        for suite in suites}
+    window = backend_for(model).context_length(model)
+    for suite, prompts in prompts_by_suite.items():
+        longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
+        if window is not None and longest + max_tokens > window:
+            raise ValueError(f"suite {suite}: a prompt of {longest} tokens + max_tokens "
+                             f"{max_tokens} exceeds the model's context window of {window} "
+                             "tokens")
+    return prompts_by_suite
+
+
 def run_benchmark(
     model,
     tokenizer,
@@ -231,6 +253,7 @@ def run_benchmark(
     seed: int = 0,
     skipped: "list[dict]" = (),
     server: str | None = None,
+    prompts_by_suite: dict | None = None,
     progress=print,
 ) -> dict:
     """`drafters` maps a label to a Drafter (or None for plain decoding); a label "name@K"
@@ -241,7 +264,8 @@ def run_benchmark(
     paired over prompts (mlxspec.intervals). `skipped` lists runs left out before this call
     ({"engine", "reason"}: a drafter the target cannot run), reported with the peers'.
     `server` (a URL of a running `mlxspec serve` of the same model) runs each of our drafter
-    labels through it too, as the engine "mlxspec serve", timed at the client."""
+    labels through it too, as the engine "mlxspec serve", timed at the client.
+    `prompts_by_suite`: suite_chat_prompts' (built and checked before the drafters load)."""
     check_counts(max_tokens=max_tokens, limit=limit, num_draft=num_draft,
                  mlx_lm_num_draft=mlx_lm_num_draft, llama_cpp_num_draft=llama_cpp_num_draft)
     unknown = [s for s in suites if s not in SUITES]
@@ -284,8 +308,8 @@ def run_benchmark(
         missing = "no GGUF file for this model (give one with --llama-cpp-gguf)"
     else:
         missing = llama_cpp_missing()
-    prompts_by_suite = {suite: [chat_prompt(tokenizer, p) for p in SUITES[suite](limit=limit)]
-                        for suite in suites}
+    if prompts_by_suite is None:
+        prompts_by_suite = suite_chat_prompts(model, tokenizer, suites, limit, max_tokens)
     if missing:
         skipped.append({"engine": "llama.cpp", "reason": missing})
     else:

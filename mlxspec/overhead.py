@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .bench import SUITES, chat_prompt, fixed_k
+from .bench import chat_prompt, fixed_k
+from .prompts import suite_prompts
 from .drafters import CopyFirstDrafter, DraftModelDrafter, load_drafter, registry
 from .generate import encode_prompt, stream_request
 from .intervals import paired_ratio
@@ -150,7 +151,7 @@ def run_overhead(tokenizer, *, drafters=OVERHEAD_DRAFTERS, suites=("humaneval", 
     built = {label: (tiny_drafter(label.split("@")[0], target), fixed_k(label))
              for label in drafters}
     prompts = [encode_prompt(tokenizer, chat_prompt(tokenizer, text))
-               for suite in suites for text in SUITES[suite](limit=limit)]
+               for suite in suites for text in suite_prompts(suite, limit, tokenizer)]
     ours = {(label, overlap): Timing() for label in built for overlap in (True, False)}
     mlx_lm = Timing()
     for ids in [prompts[0]] + prompts:  # the first run warms up, and is dropped

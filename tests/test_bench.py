@@ -162,3 +162,33 @@ def test_the_agentic_suite_is_three_step_tool_sessions_on_real_code():
     assert [m["role"] for m in last] == ["system", "user", "assistant", "user", "assistant",
                                          "user"]
     assert sessions[1].code in last[3]["content"] and "run_tests" in last[5]["content"]
+
+
+def test_long_context_suites_fill_their_window_with_real_code(smollm):
+    """long1k/4k/8k: a module of HumanEval functions then a request, each prompt (in the chat
+    template) within its window less the answer room and most of it, the three kinds of
+    request in turn, a different module for each prompt."""
+    from mlxspec.bench import chat_prompt, suite_chat_prompts
+    from mlxspec.generate import encode_prompt
+    from mlxspec.prompts import ANSWER_ROOM, LONG_CONTEXT_SIZES
+
+    model, tokenizer = smollm
+    prompts = suite_chat_prompts(model, tokenizer, list(LONG_CONTEXT_SIZES), 3, 128)
+    for suite, size in LONG_CONTEXT_SIZES.items():
+        lengths = [len(encode_prompt(tokenizer, p)) for p in prompts[suite]]
+        assert all(0.8 * size < n <= size - ANSWER_ROOM for n in lengths), (suite, lengths)
+        assert len(set(prompts[suite])) == 3
+        asks = [p.rsplit("```", 1)[1] for p in prompts[suite]]
+        assert "Rewrite" in asks[0] and "Rewrite" in asks[1] and "combined" in asks[2]
+        first = asks[0].split("`")[1]
+        assert prompts[suite][0].index(f"def {first}(") < 300  # at the module's far end
+    assert chat_prompt(tokenizer, "x") != prompts["long1k"][0]
+
+
+def test_a_long_suite_past_the_window_is_refused_in_one_line(smollm_dir):
+    """SmolLM2's window is 8192 tokens: long8k with a 300-token answer cannot fit."""
+    result = CliRunner().invoke(main, ["bench", "--model", str(smollm_dir), "--suite", "long8k",
+                                       "--limit", "1", "-n", "300", "--drafters", "none"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "suite long8k: a prompt of" in result.output
+    assert "exceeds the model's context window of 8192 tokens" in result.output
