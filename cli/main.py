@@ -14,8 +14,10 @@ from mlxspec.cli.options import (  # noqa: E402
     _backend,
     _check_backend,
     _check_drafter,
+    _check_kv_bits,
     _drafter_option_flags,
     _options_for,
+    kv_cache_options,
     model_options,
     shard_option,
 )
@@ -59,12 +61,7 @@ def decoding_options(f):
         click.option("--top-k", type=int, default=0, show_default=True),
         click.option("--min-p", type=float, default=0.0, show_default=True),
         click.option("--seed", type=int, default=None),
-        click.option("--kv-bits", type=int, default=None,
-                     help="Quantize the target's KV cache to this many bits (2-6, 8) once the "
-                          "prompt is prefilled: less memory for long contexts; output is the "
-                          "target's with that cache, with or without a drafter."),
-        click.option("--kv-group-size", type=int, default=64, show_default=True,
-                     help="With --kv-bits: values quantized per group (32, 64, 128)."),
+        *kv_cache_options(),
         click.option("--system", default=None, help="System prompt for the chat template."),
         click.option("--no-chat-template", is_flag=True,
                      help="Use the prompt as raw text instead of a chat message."),
@@ -92,13 +89,6 @@ def _request(max_tokens, num_draft=None, adaptive=True, kv_bits=None, kv_group_s
     except (TypeError, ValueError) as err:
         name = str(err).split()[0]
         raise click.BadParameter(str(err), param_hint=f"--{name.replace('_', '-')}") from None
-
-
-def _check_kv_bits(kv_bits, backend) -> None:
-    from mlxspec.backends import backend_named
-
-    if kv_bits is not None and not backend_named(backend).mlx_lm:
-        raise click.BadParameter("quantizes MLX caches; use --backend mlx", param_hint="--kv-bits")
 
 
 def _config_before_loading(folder) -> dict | None:

@@ -105,3 +105,22 @@ def _backend(name):
 def _check_backend(backend, device):
     if device is not None and not _backend(backend).devices:
         raise click.BadParameter("applies to --backend torch only", param_hint="--device")
+
+
+def kv_cache_options() -> list:
+    """--kv-bits and --kv-group-size (generate, chat, serve)."""
+    return [
+        click.option("--kv-bits", type=int, default=None,
+                     help="Quantize the target's KV cache to this many bits (2-6, 8) once the "
+                          "prompt is prefilled: less memory for long contexts; output is the "
+                          "target's with that cache, with or without a drafter."),
+        click.option("--kv-group-size", type=int, default=64, show_default=True,
+                     help="With --kv-bits: values quantized per group (32, 64, 128)."),
+    ]
+
+
+def _check_kv_bits(kv_bits, backend) -> None:
+    from mlxspec.backends import backend_named
+
+    if kv_bits is not None and not backend_named(backend).mlx_lm:
+        raise click.BadParameter("quantizes MLX caches; use --backend mlx", param_hint="--kv-bits")

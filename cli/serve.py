@@ -9,14 +9,17 @@ from mlxspec.cli.options import (
     DrafterChoice,
     _check_backend,
     _check_drafter,
+    _check_kv_bits,
     _drafter_option_flags,
     _options_for,
+    kv_cache_options,
     model_options,
     shard_option,
     shared,
 )
 from mlxspec.cli.prompt_cache_files import PROMPT_CACHE_FILE, check_prompt_cache_file
 from mlxspec.cli.targets import _backend_line, load_target, split_target
+from mlxspec.request import check_kv_settings
 from mlxspec.server.requests import DEFAULT_MAX_NUM_DRAFT
 
 
@@ -68,11 +71,12 @@ def _model_id(model: str | None) -> str:
                  show_default=True,
                  help="The most drafts per step a request may ask for (its \"num_draft\"); "
                       "more are answered 400. Each step verifies up to this many + 1 tokens."),
+    *kv_cache_options(),
 ])
 @PROMPT_CACHE_FILE
 def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port, api_key,
-          insecure_no_api_key, render_timeout, max_queue, max_batch, max_num_draft,
-          prompt_cache_file, **drafter_options):
+          insecure_no_api_key, render_timeout, max_queue, max_batch, max_num_draft, kv_bits,
+          kv_group_size, prompt_cache_file, **drafter_options):
     """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'mlxspec[server]').
 
     \b
@@ -89,6 +93,12 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
         click.echo(warning, err=True)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
+    _check_kv_bits(kv_bits, backend)
+    try:
+        check_kv_settings(kv_bits, kv_group_size)
+    except ValueError as err:  # names kv_bits or kv_group_size
+        raise click.BadParameter(str(err), param_hint="--" + str(err).split()[0].replace(
+            "_", "-")) from None
     check_prompt_cache_file(prompt_cache_file, backend)
     try:
         _require_server_extra()
@@ -101,6 +111,7 @@ def serve(model, dtype, backend, device, shard, drafter, draft_model, host, port
                              model_id=_model_id(model), api_key=api_key, max_queue=max_queue,
                              render_timeout=render_timeout,
                              max_num_draft=max_num_draft, max_batch=max_batch,
+                             kv_bits=kv_bits, kv_group_size=kv_group_size,
                              prompt_cache_file=prompt_cache_file,
                              **_options_for(drafter, drafter_options))
     except _user_errors() as err:

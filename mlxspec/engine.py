@@ -383,6 +383,11 @@ class AdaptiveDraftLength:
 
     last_k = 1  # the K last chosen
 
+    def cut(self, draft: Draft) -> Draft:
+        """The part of a proposed draft the step verifies: all of it, its K chosen before (a
+        policy reading a draft's own scores keeps a prefix: match_length.ScoredDraftLength)."""
+        return draft
+
     def expected_accepted(self) -> float:
         """Drafts a step at the last chosen K is expected to have accepted (what a copier's
         draft is weighed against in front of a model drafter: CopyFirstDrafter)."""
@@ -418,6 +423,9 @@ class TreeBudget:
 
     def best(self) -> int:
         return max(self.rate, key=self.rate.get)
+
+    def cut(self, draft: Draft) -> Draft:
+        return draft  # the budget was chosen before
 
     def next_k(self) -> int:
         self.steps += 1
@@ -660,6 +668,8 @@ class Loop:
 
     def _propose(self, row: Row, k: int) -> Draft:
         draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
+        if row.policy is not None:
+            draft = row.policy.cut(draft)
         return self._as_verified(row, draft)
 
     def _as_verified(self, row: Row, draft: Draft) -> Draft:

@@ -27,6 +27,16 @@ def check_drafter_window(window) -> int | None:
     return window
 
 
+def check_kv_settings(kv_bits, kv_group_size) -> None:
+    """kv_bits (None: full precision) and kv_group_size each one mlx-lm quantizes with."""
+    if kv_bits is not None and (not is_integer(kv_bits) or kv_bits not in KV_BITS):
+        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got "
+                         f"{kv_bits!r}")
+    if not is_integer(kv_group_size) or kv_group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be one of "
+                         f"{', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
+
+
 def check_logprobs(logprobs) -> None:
     """`logprobs`: None, or how many likeliest tokens to list (0 to 20)."""
     if logprobs is None:
@@ -76,12 +86,6 @@ class Request:
     def __post_init__(self):
         if self.num_draft is not None:
             check_count("num_draft", self.num_draft)
-        if self.kv_bits is not None and (not is_integer(self.kv_bits)
-                                         or self.kv_bits not in KV_BITS):
-            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got "
-                             f"{self.kv_bits!r}")
-        if not is_integer(self.kv_group_size) or self.kv_group_size not in KV_GROUP_SIZES:
-            raise ValueError(f"kv_group_size must be one of "
-                             f"{', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size!r}")
+        check_kv_settings(self.kv_bits, self.kv_group_size)
         check_logprobs(self.logprobs)
         check_count("max_tokens", self.max_tokens)

@@ -124,3 +124,41 @@ def test_cli_kv_bits_with_a_drafter_is_the_plain_text_with_kv_bits():
     assert_clean_error(invoke(*args, "--kv-group-size", "128"), "does not divide")
     assert_clean_error(invoke("generate", "--prompt", "hi", "--kv-bits", "7"), "--kv-bits",
                        "must be one of")
+
+
+def test_a_server_with_kv_bits_answers_as_the_quantized_target(target):
+    """serve --kv-bits: every request's target keeps quantized keys and values, so a reply is
+    the text generate gives with the same kv_bits (not the full-precision one), with a drafter
+    and from a kept prompt cache (the same prompt again); batches keep full-precision caches,
+    so such a server says it serves one request at a time."""
+    pytest.importorskip("uvicorn", reason="mlxspec serve needs the server extra")
+    from test_api_hardening import tiny_tokenizer
+    from test_server import Running
+    from test_server_batching import ask
+
+    from mlxspec.server import make_server
+
+    tokenizer = tiny_tokenizer(VOCAB)
+    prompt = " ".join(f"t{i}" for i in PROMPTS[0])
+
+    def text(**options):
+        return "".join(r.text for r in mlxspec.stream_generate(
+            target, tokenizer, prompt, N, drafter="lookup", **options))
+
+    quantized = text(**BITS)
+    assert quantized != text()  # the quantized target's own text
+    server = make_server(target, tokenizer, drafter="lookup", model_id="tiny", max_batch=4,
+                         **BITS)
+    assert "--kv-bits" in server.worker.describe()
+    running = Running(server)
+    try:
+        body = {"prompt": prompt, "max_tokens": N, "temperature": 0}
+        first, again = ask(running, body), ask(running, body)
+        assert first["text"] == again["text"] == quantized
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        running.stop()
+    with pytest.raises(ValueError, match="kv_bits must be one of"):
+        make_server(target, tokenizer, kv_bits=7)
+    with pytest.raises(ValueError, match="does not divide"):
+        make_server(target, tokenizer, kv_bits=4, kv_group_size=64)

@@ -378,3 +378,18 @@ def test_cli_max_num_draft_is_checked_before_the_model_loads():
     result = CliRunner().invoke(main, ["serve", "--max-num-draft", "0"])
     assert result.exit_code == 2 and "--max-num-draft" in result.output and "x>=1" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-bits", "7"], "kv_bits must be one of"),
+    (["--kv-bits", "4", "--kv-group-size", "48"], "kv_group_size must be one of"),
+    (["--kv-bits", "4", "--backend", "torch"], "quantizes MLX caches"),
+])
+def test_cli_kv_bits_is_checked_before_the_model_loads(flags, words):
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    result = CliRunner().invoke(main, ["serve", *flags])
+    assert result.exit_code == 2 and words in result.output, result.output
+    assert "Traceback" not in result.output

@@ -387,3 +387,51 @@ def test_lookup_and_suffix_measure_their_current_match():
     assert suffix.match_length(text) == 4
     suffix.history.add([1, 9, 9, 3, 4, 5, 6, 7, 8, 2])
     assert suffix.match_length(text) == 6  # "3 4 5 6 7 8" then 2, in an earlier reply
+
+
+def test_suffix_keeps_the_part_of_its_draft_worth_verifying():
+    """ScoredDraftLength: the drafter drafts what its own rules allow; the step keeps the prefix
+    whose path frequencies pay for its verify time (sure tokens kept, rare ones dropped when a
+    draft token costs a fifth of a step), and where predicted tokens keep being rejected the
+    frequencies are trusted less, down to a probe draft now and then."""
+    from mlxspec.drafters.match_length import ScoredDraftLength
+    from mlxspec.engine import Draft
+
+    probs = [1.0, 1.0, 1.0, 0.9, 0.15, 0.12]
+    policy = ScoredDraftLength(16, lambda: probs)
+    assert policy.next_k() == 16
+    for k in (0, 1, 4):  # a step costs 1 + 0.2 K plain steps
+        policy.update(k, k, 1.0 + 0.2 * k)
+    draft = Draft(tokens=[1, 2, 3, 4, 5, 6])
+    assert policy.cut(draft).tokens == [1, 2, 3, 4]
+    probs[:] = [1.0] * 6
+    assert policy.cut(draft).tokens == [1, 2, 3, 4, 5, 6]
+    for _ in range(12):  # every predicted token wrong
+        kept = policy.cut(draft)
+        policy.update(len(kept), 0, 1.0 + 0.2 * len(kept))
+    assert policy.calibration < 0.2
+    kept = [len(policy.cut(draft)) for _ in range(policy.probe_every)]
+    assert kept.count(0) == policy.probe_every - 1 and kept.count(1) == 1
+    tree = Draft(tokens=[1, 2], parents=(0, 0))
+    assert policy.cut(tree) is tree  # a tree's budget is TreeBudget's
+
+
+def test_the_loop_verifies_what_the_row_s_policy_keeps_of_a_draft(target):
+    """The loop verifies the part of a draft the row's policy keeps (its `cut`): a policy
+    keeping one token gets one-token steps; at a fixed K (no policy) every draft suffix
+    proposes from its own earlier reply is verified whole. Both give plain's output."""
+    prompt = [3, 1, 4, 1, 5]
+    plain, _ = run(target, Drafter(), prompt, max_tokens=40)
+    for adaptive in (False, True):
+        drafter = SuffixDrafter()
+        run(target, drafter, prompt, max_tokens=40)  # its reply: the next run's drafts
+        drafter.draft_policy(6, True).cut = lambda draft: draft.prefix(1)
+        proposed, propose = [], drafter.propose
+        drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
+        out, stats = run(target, drafter, prompt, max_tokens=40, adaptive=adaptive)
+        assert out == plain
+        assert max(map(len, proposed)) == 6
+        if adaptive:
+            assert len(stats.drafted_per_position) == 1 and stats.drafted > 0
+        else:
+            assert stats.drafted == sum(map(len, proposed))

@@ -113,5 +113,8 @@ class PerSourceDraftLength:
         self._current = self.copier if self.copies() else self.model
         return self._current.next_k()
 
+    def cut(self, draft):
+        return self._current.cut(draft)
+
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         self._current.update(drafted, accepted, seconds)

@@ -10,7 +10,7 @@ K = 15 on the copy suite). So the policy keeps one curve per match-length bucket
 time model (a step's cost by K does not depend on where the drafts came from).
 """
 
-from ..engine import AdaptiveDraftLength
+from ..engine import EMPTY_DRAFT, AdaptiveDraftLength
 
 BUCKET_STARTS = (1, 2, 4, 8, 16)  # the shortest match length of each bucket
 MAX_MATCH = 32  # a match is measured up to this many tokens (longer ones share the top bucket)
@@ -37,6 +37,51 @@ class MatchLengthDraftLength(AdaptiveDraftLength):
         # update() and expected_accepted() then read the curve chosen here
         self.conditional = self.curves.setdefault(bucket, [0.6] * self.max_k)
         return super().next_k()
+
+
+class ScoredDraftLength(AdaptiveDraftLength):
+    """For a drafter that scores its own draft (suffix decoding: each draft's path frequency,
+    the chance it and all before it are right): the drafter drafts what its own rules allow
+    (its match length x spec factor, paths above min_prob) and the step keeps the prefix that
+    maximises expected tokens per second: (1 + sum of path frequencies) / time(K), time(K) the
+    measured step times' line, as AdaptiveDraftLength's. Frequencies counted from history are
+    optimistic where the text is new, so they are scaled by how many of the predicted tokens
+    were accepted (a running ratio, at most 1)."""
+
+    def __init__(self, max_k: int, path_probs, **options):
+        super().__init__(max_k, **options)
+        self.path_probs = path_probs  # the last draft's path frequencies
+        self.calibration = 1.0
+        self._predicted = 0.0
+
+    def next_k(self) -> int:
+        self.last_k = self.max_k
+        return self.max_k
+
+    def cut(self, draft):
+        if not len(draft) or draft.parents is not None:
+            return draft
+        plain, intercept, slope = self._time_model()
+        best_k, best_speed, expected, kept = 0, 1.0 / plain, 1.0, 0.0
+        for k, p in enumerate(self.path_probs()[: len(draft)], start=1):
+            expected += self.calibration * p
+            if expected / (intercept + slope * k) > best_speed:
+                best_k, best_speed, kept = k, expected / (intercept + slope * k), expected - 1
+        if best_k == 0:  # now and then one draft, so a low calibration can recover
+            self.idle_steps += 1
+            if self.idle_steps >= self.probe_every:
+                self.idle_steps, best_k = 0, 1
+                kept = self.calibration * self.path_probs()[0]
+        self._predicted = kept
+        return draft.prefix(best_k) if best_k else EMPTY_DRAFT
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        super().update(drafted, accepted, seconds)
+        if drafted and self._predicted > 0:
+            ratio = min(accepted / self._predicted, 1.0)
+            self.calibration = self.decay * self.calibration + (1 - self.decay) * ratio
+            self.calibration = max(self.calibration, 0.05)
+        self._predicted = 0.0
 
 
 def copier_policy(drafter, max_k: int, greedy: bool):

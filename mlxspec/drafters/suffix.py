@@ -25,7 +25,7 @@ import struct
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..sampling import SamplingConfig
-from .match_length import copier_policy
+from .match_length import ScoredDraftLength
 
 
 class _Node:
@@ -291,7 +291,6 @@ class SuffixDrafter(Drafter):
         return twin
 
     def begin(self, prompt, features=None):
-        self.latest_tokens = prompt
         if self._reply is not None:  # the last request never ended (no loop told it)
             self.history.finish(self._reply)
         self._request = SuffixTrie(self.depth)
@@ -299,10 +298,8 @@ class SuffixDrafter(Drafter):
         self._reply = self.history.start()
         self._held = len(prompt)
 
-    latest_tokens: list[int] = []  # the committed tokens (pending last), for the K policy
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
-        self.latest_tokens = tokens
         new = tokens[self._held :]
         self._request.extend(new)
         self.history.extend(self._reply, new)
@@ -329,8 +326,15 @@ class SuffixDrafter(Drafter):
         return longest
 
     def draft_policy(self, max_k: int, greedy: bool):
-        """Acceptance by match length (drafters/match_length.py); trees by their budget."""
-        return copier_policy(self, max_k, greedy) or super().draft_policy(max_k, greedy)
+        """A chain's K from its own path frequencies and step times (ScoredDraftLength: a
+        suffix draft says how far it expects to be right, which acceptance by match length
+        only guessed); trees by their budget."""
+        if self.drafts_trees:
+            return super().draft_policy(max_k, greedy)
+        policies = self.__dict__.setdefault("_draft_policies", {})
+        if (max_k, greedy) not in policies:
+            policies[max_k, greedy] = ScoredDraftLength(max_k, lambda: self.last_probs)
+        return policies[max_k, greedy]
 
     def copies(self, tokens: list[int], worth: float = 0.0) -> bool:
         """Whether it drafts the step after `tokens` (a copier in front of a model drafter),
@@ -338,8 +342,10 @@ class SuffixDrafter(Drafter):
         drafted, _, probs = self.speculate(tokens, self.max_draft)
         return bool(drafted) and score(probs) >= worth
 
+    last_probs: list[float] = []  # the last draft's path frequencies (for ScoredDraftLength)
+
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig) -> Draft:
-        drafted, parents, _ = self.speculate(tokens, k)
+        drafted, parents, self.last_probs = self.speculate(tokens, k)
         if not drafted:
             return EMPTY_DRAFT
         return Draft(tokens=drafted, parents=tuple(parents) if self.drafts_trees else None)

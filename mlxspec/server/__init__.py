@@ -26,7 +26,8 @@ def _require_server_extra() -> None:
 def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, model_id="model",
                 api_key: str | None = None, max_queue: int = 64, render_timeout: float = 10.0,
                 max_num_draft: int = DEFAULT_MAX_NUM_DRAFT, max_batch: int = 1,
-                prompt_cache_file=None, **drafter_options):
+                prompt_cache_file=None, kv_bits: int | None = None, kv_group_size: int = 64,
+                **drafter_options):
     """A Server for `model`: requests may choose "none", "lookup", "suffix", or the server's
     `drafter` (and, for a model drafter, its "+lookup" and "+suffix" forms), loaded once here;
     unknown options fail before it starts.
@@ -35,12 +36,15 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     one batch (mlxspec.server.batching), where the backend, model and drafter allow it;
     1 serves them one at a time, continuing kept prompt caches. `prompt_cache_file`: a
     safetensors prompt cache (PromptCache.save) the kept caches start with, where it exists,
-    and where the most recently used one is written when the server stops."""
+    and where the most recently used one is written when the server stops. `kv_bits`: every
+    request's target keeps its keys and values quantized (as generate's kv_bits), one request
+    at a time (batch rows keep full-precision caches)."""
     _require_server_extra()
-    from ..request import check_count
+    from ..request import check_count, check_kv_settings
 
     check_count("max_num_draft", max_num_draft)
     check_count("max_batch", max_batch)
+    check_kv_settings(kv_bits, kv_group_size)
     from ..drafters import CopyFirstDrafter, load_drafter, registry
     from ..drafters.registry import COPIERS
     from ..backends import backend_for
@@ -68,11 +72,18 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     if prompt_cache_file is not None and not parts.mlx_lm:
         raise ValueError("prompt cache files hold MLX caches; this model is a "
                          f"{parts.name} model")
+    if kv_bits is not None:
+        if not parts.mlx_lm:
+            raise ValueError(f"kv_bits quantizes MLX caches; this is a {parts.name} model")
+        from ..backends.mlx.target import check_kv_group_size
+
+        check_kv_group_size(model, kv_group_size)
     return Server(model, tokenizer, model_id=model_id, build_drafters=build_drafters,
                   default_drafter=drafter, api_key=api_key, max_queue=max_queue,
                   context_length=parts.context_length(model), render_timeout=render_timeout,
                   max_num_draft=max_num_draft, max_batch=max_batch,
-                  cache_file=prompt_cache_file)
+                  cache_file=prompt_cache_file,
+                  kv_quantization=None if kv_bits is None else (kv_bits, kv_group_size))
 
 
 __all__ = ["check_exposure", "make_server"]

@@ -54,9 +54,10 @@ class Server:
     def __init__(self, model, tokenizer, *, model_id: str, build_drafters, default_drafter: str,
                  api_key: str | None = None, max_queue: int = 64, context_length=None,
                  render_timeout: float = 10.0, render_slots: int = 2,
-                 max_num_draft: int | None = None, max_batch: int = 1, cache_file=None):
+                 max_num_draft: int | None = None, max_batch: int = 1, cache_file=None,
+                 kv_quantization: tuple[int, int] | None = None):
         self.model_id, self.api_key = model_id, api_key
-        self.max_num_draft = max_num_draft
+        self.max_num_draft, self.kv_quantization = max_num_draft, kv_quantization
         self.token_names = TokenNames(tokenizer)
         self.render_slots = RenderSlots(render_slots, render_timeout)
         self.big_render_slots = RenderSlots(1, render_timeout, background=True)
@@ -66,7 +67,8 @@ class Server:
         if max_batch > 1:  # rows of one batch, where the model and drafters allow it
             self.worker = BatchWorker(model, tokenizer, build_drafters, default_drafter,
                                       max_queue=max_queue, on_finish=on_finish,
-                                      max_batch=max_batch, cache_file=cache_file)
+                                      max_batch=max_batch, cache_file=cache_file,
+                                      quantized_kv=kv_quantization is not None)
         else:
             self.worker = Worker(model, tokenizer, build_drafters, default_drafter,
                                  max_queue=max_queue, on_finish=on_finish, cache_file=cache_file)
@@ -199,7 +201,8 @@ class Server:
             return parse_request(body, chat=chat, tokenizer=self.tokenizer,
                                  max_num_draft=self.max_num_draft,
                                  context_length=self.context_length,
-                                 drafters=self.drafter_names)
+                                 drafters=self.drafter_names,
+                                 kv_quantization=self.kv_quantization)
         except APIError:
             raise
         except Exception as err:  # noqa: BLE001  (a chat template that refuses the messages)

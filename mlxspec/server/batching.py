@@ -120,10 +120,12 @@ class BatchWorker(Worker):
     Where rows cannot share a pass (see batch_refusal, or a model its batch target refuses) it
     serves one request at a time as the Worker does, and `refusal` says why."""
 
-    def __init__(self, *args, max_batch: int = 8, cache_slots: int = 4, **kwargs):
+    def __init__(self, *args, max_batch: int = 8, cache_slots: int = 4,
+                 quantized_kv: bool = False, **kwargs):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch, self.refusal = max_batch, None
+        self.quantized_kv = quantized_kv
         # as many kept caches as rows, at least: every row's conversation may come back
         kwargs["cache_slots"] = max(cache_slots, max_batch) if cache_slots else 0
         self.replies: dict[Row, RowReply] = {}  # the requests generating now, by their row
@@ -152,6 +154,9 @@ class BatchWorker(Worker):
         self.tokenizer = _as_wrapper(self.tokenizer)
         self.eos = frozenset(self.tokenizer.eos_token_ids)
         self.refusal = batch_refusal(self.model, self.drafters)
+        if self.refusal is None and self.quantized_kv:
+            self.refusal = ("--kv-bits: a batch's rows keep full-precision caches, so quantized "
+                            "ones serve one request at a time")
         if self.refusal is None:
             try:
                 self.target = self._new_target()

@@ -384,9 +384,10 @@ def _rendered_tools(body: dict, chat: bool, tokenizer) -> list[dict] | None:
 
 
 def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
-                  drafters: tuple[str, ...], max_num_draft: int | None = None
-                  ) -> GenerationRequest:
-    """Check an OpenAI chat-completions (`chat`) or completions body for the served model."""
+                  drafters: tuple[str, ...], max_num_draft: int | None = None,
+                  kv_quantization: tuple[int, int] | None = None) -> GenerationRequest:
+    """Check an OpenAI chat-completions (`chat`) or completions body for the served model;
+    `kv_quantization` (bits, group size) is the server's (serve --kv-bits)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_fields(body, chat)
@@ -413,8 +414,9 @@ def parse_request(body, *, chat: bool, tokenizer, context_length: int | None,
     prompt = _prompt(body, chat, tokenizer, tools, context_length)
     max_tokens = _max_tokens(body, chat, prompt, context_length)
     prediction = _prediction(body, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    bits, group_size = kv_quantization or (None, 64)
     generation = Request(max_tokens, sampling, num_draft=num_draft, adaptive=adaptive,
-                         logprobs=logprobs)
+                         logprobs=logprobs, kv_bits=bits, kv_group_size=group_size)
     return GenerationRequest(chat=chat, prompt=prompt, generation=generation, stop=stop,
                              stream=stream, include_usage=include_usage, drafter=drafter,
                              prediction=prediction, tools=tools)
