@@ -162,7 +162,7 @@ def test_lookup_first_keeps_one_adaptive_policy_per_source():
     copying = [True]
     policy = PerSourceDraftLength(lambda: copying[0], AdaptiveDraftLength(8),
                                   AdaptiveDraftLength(8))
-    for _ in range(20):  # lookup's drafts all accepted, the model's never
+    for _ in range(60):  # lookup's drafts all accepted, the model's never (ten-step memory)
         for copies, accepted in ((True, 8), (False, 0)):
             copying[0] = copies
             k = policy.next_k()
@@ -233,12 +233,12 @@ def test_adaptive_draft_length_is_lossless_and_backs_off(target, small_draft):
 
 def test_adaptive_choice_follows_measured_costs():
     policy = AdaptiveDraftLength(8)
-    for _ in range(20):  # every draft accepted, verifying is cheap: draft the most
+    for _ in range(60):  # every draft accepted, verifying is cheap: draft the most
         policy.update(8, 8, 1.0 + 0.01 * 8)
         policy.update(0, 0, 1.0)
     assert policy.next_k() == 8
     policy = AdaptiveDraftLength(8)
-    for _ in range(20):  # half the first drafts accepted, each verified draft costs 60%
+    for _ in range(60):  # half the first drafts accepted, each verified draft costs 60%
         policy.update(2, 1, 1.0 + 0.6 * 2)
         policy.update(1, 0, 1.0 + 0.6)
         policy.update(0, 0, 1.0)

@@ -406,7 +406,7 @@ def test_suffix_keeps_the_part_of_its_draft_worth_verifying():
     assert policy.cut(draft).tokens == [1, 2, 3, 4]
     probs[:] = [1.0] * 6
     assert policy.cut(draft).tokens == [1, 2, 3, 4, 5, 6]
-    for _ in range(12):  # every predicted token wrong
+    for _ in range(30):  # every predicted token wrong
         kept = policy.cut(draft)
         policy.update(len(kept), 0, 1.0 + 0.2 * len(kept))
     assert policy.calibration < 0.2
