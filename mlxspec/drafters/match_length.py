@@ -45,14 +45,18 @@ class ScoredDraftLength(AdaptiveDraftLength):
     (its match length x spec factor, paths above min_prob) and the step keeps the prefix that
     maximises expected tokens per second: (1 + sum of path frequencies) / time(K), time(K) the
     measured step times' line, as AdaptiveDraftLength's. Frequencies counted from history are
-    optimistic where the text is new, so they are scaled by how many of the predicted tokens
-    were accepted (a running ratio, at most 1)."""
+    optimistic where the text is new, so they are scaled by the accepted tokens over the
+    predicted ones (discounted sums, so a step's ratio is weighed by its size; at most 1)."""
 
     def __init__(self, max_k: int, path_probs, **options):
         super().__init__(max_k, **options)
         self.path_probs = path_probs  # the last draft's path frequencies
-        self.calibration = 1.0
+        self.accepted_sum = self.predicted_sum = 1.0  # a prior of one step as predicted
         self._predicted = 0.0
+
+    @property
+    def calibration(self) -> float:
+        return min(self.accepted_sum / self.predicted_sum, 1.0)
 
     def next_k(self) -> int:
         self.last_k = self.max_k
@@ -62,25 +66,24 @@ class ScoredDraftLength(AdaptiveDraftLength):
         if not len(draft) or draft.parents is not None:
             return draft
         plain, intercept, slope = self._time_model()
-        best_k, best_speed, expected, kept = 0, 1.0 / plain, 1.0, 0.0
-        for k, p in enumerate(self.path_probs()[: len(draft)], start=1):
-            expected += self.calibration * p
+        probs, scale = self.path_probs()[: len(draft)], self.calibration
+        best_k, best_speed, expected = 0, 1.0 / plain, 1.0
+        for k, p in enumerate(probs, start=1):
+            expected += scale * p
             if expected / (intercept + slope * k) > best_speed:
-                best_k, best_speed, kept = k, expected / (intercept + slope * k), expected - 1
+                best_k, best_speed = k, expected / (intercept + slope * k)
         if best_k == 0:  # now and then one draft, so a low calibration can recover
             self.idle_steps += 1
             if self.idle_steps >= self.probe_every:
                 self.idle_steps, best_k = 0, 1
-                kept = self.calibration * self.path_probs()[0]
-        self._predicted = kept
+        self._predicted = sum(probs[:best_k])
         return draft.prefix(best_k) if best_k else EMPTY_DRAFT
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         super().update(drafted, accepted, seconds)
-        if drafted and self._predicted > 0:
-            ratio = min(accepted / self._predicted, 1.0)
-            self.calibration = self.decay * self.calibration + (1 - self.decay) * ratio
-            self.calibration = max(self.calibration, 0.05)
+        if drafted and self._predicted > 0:  # in tokens as drafted, before the calibration
+            self.accepted_sum = self.decay * self.accepted_sum + accepted
+            self.predicted_sum = self.decay * self.predicted_sum + self._predicted
         self._predicted = 0.0
 
 
