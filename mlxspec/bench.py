@@ -334,7 +334,7 @@ def run_benchmark(
             for i, prompt in enumerate(prompts):
                 for engine, name, run in configs:
                     row[engine, name].run_prompt(run, prompt, max_tokens, temp, seed + i)
-                progress(f"{suite} T={temp} prompt {i + 1}/{len(prompts)}: " + ", ".join(
+                progress(f"{suite} T={temp} prompt {i + 1}/{len(prompts)}, so far: " + ", ".join(
                     f"{e}/{n} {r.tps:.1f} tok/s" for (e, n), r in row.items()))
             plain = {e: row[e, "none"].tps for e, n, _ in configs if (e, "none") in row}
             for (engine, _), r in row.items():
