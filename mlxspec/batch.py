@@ -132,19 +132,19 @@ def start_from(row: Row, cache, model) -> int:
     hands its caches back to it when it leaves; returns how many prompt tokens it skips."""
     cache.check_model(model)
     prompt_length = len(row.tokens)
-    features = bool(row.drafter.capture_layers)
-    row.start = kept_start(cache, cache.shared(row.tokens, features), features)
+    layers = row.drafter.capture_layers
+    row.start = kept_start(cache, cache.shared(row.tokens, layers), layers)
     row.on_leave = lambda left: keep_row(cache, row, *left, prompt_length=prompt_length)
     return row.start.length if row.start else 0
 
 
-def kept_start(cache, n: int, features: bool) -> Start | None:
+def kept_start(cache, n: int, layers) -> Start | None:
     """A row's Start from the first n tokens `cache` (a KeptCache) holds (n from its
-    `shared`), None for none; `features`: the row's drafter reads target features, which
-    `shared` found the cache holds too."""
+    `shared`), None for none; `layers`: those whose target features the row's drafter reads,
+    which `shared` found the cache holds too."""
     if not n:
         return None
-    return Start(cache.prefix(n), n, cache.features[:n] if features else None)
+    return Start(cache.prefix(n), n, cache.features[:n] if layers else None)
 
 
 def keep_row(cache, row: Row, caches: list, held: int | None, *, prompt_length: int) -> None:
@@ -153,7 +153,8 @@ def keep_row(cache, row: Row, caches: list, held: int | None, *, prompt_length: 
     last token), whose features the row kept (those of its reply went to its drafter)."""
     cache.cache = caches
     if row.drafter.capture_layers:
-        cache.remember_prompt(row.tokens[:prompt_length], row.prompt_features)
+        cache.remember_prompt(row.tokens[:prompt_length], row.prompt_features,
+                              row.drafter.capture_layers)
     else:
         cache.features = None
         cache.remember(row.tokens)

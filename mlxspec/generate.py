@@ -192,7 +192,8 @@ def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Reque
             steps.close()  # the loop drops the drafts of a pass it had queued
             if session.kept is not None and session.drafter.capture_layers:
                 session.kept.remember_prompt(
-                    prompt_tokens, getattr(session.target, "prompt_features", None))
+                    prompt_tokens, getattr(session.target, "prompt_features", None),
+                    session.drafter.capture_layers)
             elif session.kept is not None:
                 session.kept.remember(prompt_tokens + output)
 
@@ -229,12 +230,12 @@ def open_session(make_target, *, model, tokenizer, drafter, request: Request, pr
     num_draft = request.num_draft or drafter.default_num_draft
     # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
     max_draft = draft_limit(drafter, num_draft)
-    features = bool(drafter.capture_layers)
+    layers = drafter.capture_layers
     kept, options = prompt_cache, {}
-    if features and not getattr(make_target, "keeps_prompt_features", False):
+    if layers and not getattr(make_target, "keeps_prompt_features", False):
         kept = None  # a target that cannot start from kept features (torch, a split target)
-    cache = None if kept is None else kept.take(model, prompt_tokens, features)
-    if features and kept is not None and kept.features is not None and kept.tokens:
+    cache = None if kept is None else kept.take(model, prompt_tokens, layers)
+    if layers and kept is not None and kept.has_features(layers) and kept.tokens:
         options["held_features"] = kept.features  # of the prefix the cache holds
     if request.kv_bits is not None:
         options.update(kv_bits=request.kv_bits, kv_group_size=request.kv_group_size)

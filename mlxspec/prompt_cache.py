@@ -20,6 +20,9 @@ class KeptCache:
         # The target features of those tokens (n, H * layers), where a row whose drafter reads
         # them (DFlash, EAGLE-3) left the cache: such a row can start from it too. Else None.
         self.features = None
+        # The target layers those features were captured at: a drafter reading other layers
+        # (EAGLE-3 after DFlash, in a chat or a server offering both) must not start from them.
+        self.feature_layers: tuple[int, ...] = ()
         self._model = None  # a weak reference to the model whose cache it holds
 
     def check_model(self, model) -> None:
@@ -43,10 +46,15 @@ class KeptCache:
 
     def _cut(self, n: int) -> None: ...
 
-    def shared(self, prompt: Sequence[int], features: bool = False) -> int:
+    def has_features(self, layers: Sequence[int]) -> bool:
+        """Whether it holds the target features of `layers` for the tokens it holds."""
+        return self.features is not None and self.feature_layers == tuple(layers)
+
+    def shared(self, prompt: Sequence[int], layers: Sequence[int] = ()) -> int:
         """How many of `prompt`'s tokens (never the last) this cache could start it with,
-        left as it is (see `prefix`); `features`: with their target features too."""
-        if self.cache is None or (features and self.features is None):
+        left as it is (see `prefix`); `layers`: with their target features at those layers
+        too (a drafter's capture layers; none: no features needed)."""
+        if self.cache is None or (layers and not self.has_features(layers)):
             return 0
         keep = common_prefix_length(self.tokens, prompt[:-1])
         return keep if keep == len(self.tokens) or self._can_cut() else 0
@@ -56,24 +64,24 @@ class KeptCache:
         (its arrays shared): a start for a row of a batch, which copies what it reads."""
         raise NotImplementedError
 
-    def take(self, model, prompt: Sequence[int], features: bool = False):
+    def take(self, model, prompt: Sequence[int], layers: Sequence[int] = ()):
         """The cache cut back to the longest prefix it shares with `prompt` (never all of it: the
-        last prompt token is the loop's pending token); `features`: with their target features
-        (`self.features`), or else a fresh cache."""
+        last prompt token is the loop's pending token); `layers`: with their target features at
+        those layers (`self.features`), or else a fresh cache."""
         self.check_model(model)
         keep = common_prefix_length(self.tokens, prompt[:-1]) if self.cache is not None else 0
         if self.cache is None or (keep < len(self.tokens) and not self._can_cut()) or (
-                features and self.features is None):
+                layers and not self.has_features(layers)):
             self.cache, self.tokens, keep = self._new(model), [], 0
             self.features = None
         self._trim_to(keep)
         return self.cache
 
-    def remember_prompt(self, prompt: Sequence[int], features) -> None:
+    def remember_prompt(self, prompt: Sequence[int], features, layers: Sequence[int]) -> None:
         """After a generation whose drafter read target features: keep the prompt (but its
-        pending last token) with `features`, the prompt's, the reply's having gone to the
-        drafter (see `remember` for a cache that cannot be cut back to it)."""
-        self.features = features
+        pending last token) with `features`, the prompt's at `layers`, the reply's having gone
+        to the drafter (see `remember` for a cache that cannot be cut back to it)."""
+        self.features, self.feature_layers = features, tuple(layers)
         self.remember(prompt[:-1])
 
     def remember(self, tokens: Sequence[int]) -> None:

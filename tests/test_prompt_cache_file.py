@@ -4,6 +4,7 @@ refused in one line before it is used."""
 
 import re
 
+import mlx.core as mx
 import pytest
 from test_api_hardening import tiny_tokenizer
 from tiny_models import tiny_llama, tiny_qwen3_next
@@ -186,3 +187,33 @@ def test_a_server_starts_from_the_file_and_writes_it_when_it_stops(model, tmp_pa
     with pytest.raises(ValueError, match="another model"):
         make_server(other, tokenizer, model_id="tiny", max_batch=max_batch,
                     prompt_cache_file=path)
+
+
+def test_features_of_other_layers_are_not_reused(tmp_path):
+    """A cache (in memory or from a file) whose features one EAGLE-3 drafter left is not a start
+    for another reading other target layers (the same sizes, other values): that row prefills
+    afresh, and the features kept after it are its layers' own."""
+    from test_eagle3 import make_drafter_dir
+
+    from mlxspec.backends.mlx.target import MLXTarget
+    from mlxspec.drafters.eagle3 import load_eagle3_drafter
+
+    model = tiny_llama(vocab=12, hidden=32, layers=4, seed=1, sharpness=3.0)
+    first, second = (load_eagle3_drafter(make_drafter_dir(
+        tmp_path / str(ids), vocab=12, draft_ids=list(range(12)), seed=3, ids=ids), model=model)
+        for ids in ((1, 2, 3), (2, 3, 4)))
+    assert first.capture_layers != second.capture_layers
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    cache = mlxspec.PromptCache()
+    reply = tokens_of(model, prompt, cache, first)
+    assert cache.feature_layers == first.capture_layers and cache.features is not None
+    cache.save(tmp_path / "first.safetensors")
+    turn = prompt + reply + [7, 1]
+    assert cache.shared(turn, first.capture_layers) == len(prompt) - 1
+    assert cache.shared(turn, second.capture_layers) == 0
+    for kept in (cache, mlxspec.PromptCache.load(tmp_path / "first.safetensors", model)):
+        assert kept.feature_layers == first.capture_layers
+        assert tokens_of(model, turn, kept, second) == tokens_of(model, turn)
+        fresh = MLXTarget(model, capture_layers=second.capture_layers).prefill(turn)
+        assert kept.feature_layers == second.capture_layers
+        assert mx.allclose(kept.features, fresh, atol=1e-5)

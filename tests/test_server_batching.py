@@ -329,32 +329,38 @@ def test_prompt_caches_are_kept_per_request(servers):
 
 def test_the_pool_lends_features_only_from_caches_that_kept_them():
     """A DFlash or EAGLE-3 row starts only from a kept cache that holds its tokens' target
-    features; a cache without them that extends one with them does not push it out."""
+    features at the layers its drafter reads; a cache without them that extends one with them
+    does not push it out, nor does one with other layers' features."""
     from mlxspec.backends.mlx.target import MLXTarget, PromptCache
     from mlxspec.server.cache_pool import PromptCachePool
 
     model = tiny_model()
 
-    def kept(tokens, features):
+    def kept(tokens, layers=()):
         target = MLXTarget(model)
         target.prefill(tokens + [0])
         cache = PromptCache()
         cache.check_model(model)
         cache.cache, cache.tokens = target.cache, list(tokens)
-        cache.features = mx.zeros((len(tokens), 4)) if features else None
+        if layers:
+            cache.features, cache.feature_layers = mx.zeros((len(tokens), 4)), layers
         return cache
 
     pool = PromptCachePool(PromptCache, slots=4)
-    featured, plain = kept([1, 2, 3], True), kept([1, 2, 3, 4, 5], False)
+    featured, plain = kept([1, 2, 3], (0, 1)), kept([1, 2, 3, 4, 5])
     pool.keep(featured)
     pool.keep(plain)
     assert pool.caches == [featured, plain]
     assert pool.longest([1, 2, 3, 4, 5, 6]) == (plain, 5)
-    assert pool.longest([1, 2, 3, 4, 5, 6], features=True) == (featured, 3)
-    assert pool.longest([9, 9], features=True) == (None, 0)
-    again = kept([1, 2, 3, 4], True)
-    pool.keep(again)  # it extends the one with features, which goes
-    assert pool.caches == [plain, again]
+    assert pool.longest([1, 2, 3, 4, 5, 6], (0, 1)) == (featured, 3)
+    assert pool.longest([1, 2, 3, 4, 5, 6], (1, 0)) == (None, 0)  # other layers' order
+    assert pool.longest([9, 9], (0, 1)) == (None, 0)
+    other = kept([1, 2, 3, 4], (1, 2))
+    pool.keep(other)  # it extends the one with (0, 1) features but cannot serve its rows
+    assert pool.caches == [plain, featured, other]  # longest() made featured the latest
+    again = kept([1, 2, 3, 4], (0, 1))
+    pool.keep(again)  # it extends the one with the same features, which goes
+    assert pool.caches == [plain, other, again]
 
 
 def test_metrics_and_health_show_the_batch(servers):

@@ -234,9 +234,9 @@ class BatchWorker(Worker):
             row = request_row(drafter, request.prompt, generation, self.eos)
             cached = 0
             if self.caches is not None:
-                features = bool(row.drafter.capture_layers)
-                kept, cached = self.caches.longest(request.prompt, features)
-                row.start = kept_start(kept, cached, features)
+                layers = row.drafter.capture_layers
+                kept, cached = self.caches.longest(request.prompt, layers)
+                row.start = kept_start(kept, cached, layers)
                 row.on_leave = lambda left, row=row, n=len(request.prompt): \
                     self._keep(row, n, *left)
             num_draft = generation.num_draft or row.drafter.default_num_draft

@@ -35,14 +35,14 @@ class PromptCachePool:
         self._bound()
         return best
 
-    def longest(self, prompt: Sequence[int], features: bool = False
+    def longest(self, prompt: Sequence[int], layers: Sequence[int] = ()
                 ) -> tuple[KeptCache | None, int]:
-        """The cache that can start `prompt` with the most of its tokens (`features`: and
-        their target features), and how many, leaving every cache as it is (rows of a batch
+        """The cache that can start `prompt` with the most of its tokens (`layers`: and
+        their target features at those layers), and how many, leaving every cache as it is (rows of a batch
         start from copies: see KeptCache.prefix); it becomes the most recently used."""
         best, shared = None, 0
         for cache in self.caches:
-            n = cache.shared(prompt, features)
+            n = cache.shared(prompt, layers)
             if n > shared:
                 best, shared = cache, n
         if best is not None:
@@ -56,7 +56,7 @@ class PromptCachePool:
         lacks."""
         self.caches = [c for c in self.caches
                        if common_prefix_length(c.tokens, cache.tokens) < len(c.tokens)
-                       or (c.features is not None and cache.features is None)]
+                       or (c.features is not None and not cache.has_features(c.feature_layers))]
         self.caches.append(cache)
         self._bound()
 

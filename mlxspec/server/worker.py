@@ -272,7 +272,7 @@ class Worker:
         cache, cached = None, 0
         if self.caches is not None:  # a feature drafter's: where it kept their features
             cache = self.caches.checkout(request.prompt)
-            cache.take(self.model, request.prompt, bool(drafter.capture_layers))
+            cache.take(self.model, request.prompt, drafter.capture_layers)
             cached = len(cache.tokens)
         responses = stream_request(self.model, self.tokenizer, request.prompt,
                                    request.generation, drafter=drafter, prompt_cache=cache)

@@ -2,7 +2,8 @@
 prefilled once across processes and server restarts (mlx-lm's `cache_prompt`, made safe to load).
 
 A file holds the tokens the cache holds, each layer's cache state and, where kept, the target
-features of those tokens (a DFlash or EAGLE-3 row can start from it). Its header names the model
+features of those tokens and the layers they come from (a DFlash or EAGLE-3 row reading those
+layers can start from it). Its header names the model
 it was made for (sizes and an embedding checksum), the cache class of each layer and a SHA-256 of
 every array, so another model's file, a truncated one or one whose bytes changed is refused in
 one line before any compute. Cache classes come from an allow-list of mlx-lm's: nothing named in
@@ -45,11 +46,13 @@ def save(kept, path: str | Path, model) -> None:
         if name not in CLASSES:
             raise ValueError(f"a {name} cannot be saved to a prompt cache file")
         layers.append({"class": name, "state": _encode(_state(layer), f"layer.{i}", arrays)})
+    metadata = {"format": FORMAT, "version": VERSION, "model": model_key(model),
+                "layers": json.dumps(layers)}
     if kept.features is not None:
         arrays["features"] = kept.features
+        metadata["feature_layers"] = json.dumps(list(kept.feature_layers))
     mx.eval(list(arrays.values()))
-    metadata = {"format": FORMAT, "version": VERSION, "model": model_key(model),
-                "layers": json.dumps(layers), "sha256": _digest(arrays)}
+    metadata["sha256"] = _digest(arrays)
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial.safetensors")  # MLX adds the suffix
     try:
@@ -89,7 +92,8 @@ def load(kept, path: str | Path, model) -> None:
     try:
         layers = json.loads(metadata["layers"])
         classes = [layer["class"] for layer in layers]
-    except (KeyError, TypeError, json.JSONDecodeError):
+        feature_layers = tuple(int(i) for i in json.loads(metadata.get("feature_layers", "[]")))
+    except (KeyError, TypeError, ValueError):  # json's JSONDecodeError is a ValueError
         raise ValueError(f"{path}: its header's layer list is damaged; make it again") from None
     expected = [type(c).__name__ for c in mlx_cache.make_prompt_cache(model)]
     if classes != expected:
@@ -106,7 +110,9 @@ def load(kept, path: str | Path, model) -> None:
     kept.check_model(model)
     kept.cache = caches
     kept.tokens = arrays["tokens"].tolist()
-    kept.features = arrays.get("features")
+    # Features without the layers they come from (a file of an earlier mlxspec) are left out.
+    kept.features = arrays.get("features") if feature_layers else None
+    kept.feature_layers = feature_layers
     held = kept._held()
     if held is not None and held != len(kept.tokens):
         kept.cache, kept.tokens, kept.features = None, [], None
