@@ -105,13 +105,37 @@ class RunResult:
         return d
 
 
+class SharedPrefill:
+    """Each prompt prefilled once for all of our runs (`bench --prefill-once`): a kept prompt
+    cache per set of target layers the drafters read (plain decoding's none, DFlash's, EAGLE-3's),
+    which each run starts from and leaves cut back to the prompt. At 8k tokens a prefill takes
+    minutes on a CPU, each drafter's run otherwise repeats it, and decode speed (timed after the
+    first token) does not depend on it; TTFT then times a kept cache instead."""
+
+    def __init__(self, model):
+        from .backends import backend_for
+
+        self.make = backend_for(model).prompt_cache
+        self.prompt, self.caches = None, {}
+
+    def cache_for(self, prompt, drafter):
+        if prompt != self.prompt:
+            self.prompt, self.caches = prompt, {}
+        layers = tuple(drafter.capture_layers) if drafter is not None else ()
+        if layers not in self.caches:
+            self.caches[layers] = self.make()
+        return self.caches[layers]
+
+
 def _ours(model, tokenizer, prompt, max_tokens, temp, seed, result, *, drafter, num_draft,
-          adaptive=True):
+          adaptive=True, shared_prefill: SharedPrefill | None = None):
     request = Request(max_tokens, SamplingConfig(temp=temp, seed=seed), num_draft=num_draft,
                       adaptive=adaptive)
+    cache = shared_prefill.cache_for(prompt, drafter) if shared_prefill is not None else None
     start = time.perf_counter()
     first = last = None
-    for last in stream_request(model, tokenizer, prompt, request, drafter=drafter):
+    for last in stream_request(model, tokenizer, prompt, request, drafter=drafter,
+                               prompt_cache=cache):
         if first is None:
             first = time.perf_counter()
     end = time.perf_counter()
@@ -254,6 +278,7 @@ def run_benchmark(
     skipped: "list[dict]" = (),
     server: str | None = None,
     prompts_by_suite: dict | None = None,
+    prefill_once: bool = False,
     progress=print,
 ) -> dict:
     """`drafters` maps a label to a Drafter (or None for plain decoding); a label "name@K"
@@ -265,7 +290,8 @@ def run_benchmark(
     ({"engine", "reason"}: a drafter the target cannot run), reported with the peers'.
     `server` (a URL of a running `mlxspec serve` of the same model) runs each of our drafter
     labels through it too, as the engine "mlxspec serve", timed at the client.
-    `prompts_by_suite`: suite_chat_prompts' (built and checked before the drafters load)."""
+    `prompts_by_suite`: suite_chat_prompts' (built and checked before the drafters load).
+    `prefill_once`: our runs of a prompt share its prefill (SharedPrefill)."""
     check_counts(max_tokens=max_tokens, limit=limit, num_draft=num_draft,
                  mlx_lm_num_draft=mlx_lm_num_draft, llama_cpp_num_draft=llama_cpp_num_draft)
     unknown = [s for s in suites if s not in SUITES]
@@ -275,11 +301,12 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"cannot compare {unknown}: not among the drafters {list(drafters)}")
     configs, skipped = [], list(skipped)
+    shared = SharedPrefill(model) if prefill_once else None
     for name, drafter in drafters.items():
         k = fixed_k(name)
         configs.append(("mlxspec", name, partial(
             _ours, model, tokenizer, drafter=drafter, num_draft=k or num_draft,
-            adaptive=adaptive and k is None)))
+            adaptive=adaptive and k is None, shared_prefill=shared)))
     if server is not None:
         model_id, offered = server_model(server)
         for name in drafters:
@@ -320,9 +347,11 @@ def run_benchmark(
             peer = LlamaCppPeer(llama_cpp_gguf, n_ctx, lookup_tokens=lookup)
             configs.append(("llama.cpp", name, partial(_llama_cpp, peer, tokenizer)))
 
-    # Warm-up: first calls compile kernels and fault weights in.
-    for engine, name, run in configs:
-        run(chat_prompt(tokenizer, "Hello"), 4, 0.0, seed, RunResult(engine, name, "warmup", 0.0))
+    # Warm-up: first calls compile kernels and fault weights in (a kept cache's path too).
+    for _ in range(2 if prefill_once else 1):
+        for engine, name, run in configs:
+            run(chat_prompt(tokenizer, "Hello"), 4, 0.0, seed,
+                RunResult(engine, name, "warmup", 0.0))
 
     results, comparisons = [], []
     for suite, prompts in prompts_by_suite.items():
@@ -363,7 +392,7 @@ def run_benchmark(
                      "num_draft": num_draft, "mlx_lm_num_draft": mlx_lm_num_draft,
                      "llama_cpp_gguf": llama_cpp_gguf and str(llama_cpp_gguf),
                      "llama_cpp_num_draft": llama_cpp_num_draft,
-                     "seed": seed, "adaptive": adaptive},
+                     "seed": seed, "adaptive": adaptive, "prefill_once": prefill_once},
         "verify_cost": verify_cost(model, tokenizer) if _is_mlx(model) else None,
         "results": results,
         "comparisons": comparisons,
@@ -454,6 +483,9 @@ def markdown_table(report: dict) -> str:
     if cost:
         lines += ["", "Target pass over n tokens vs one decode step (n = 1): " + ", ".join(
             f"n={n}: {c:.2f}x" for n, c in cost.items())]
+    if report.get("settings", {}).get("prefill_once"):
+        lines += ["", "Each prompt was prefilled once for all our runs (--prefill-once): their "
+                  "TTFT times a start from a kept cache, not a prefill."]
     lines += ["", "tau is the ideal speedup (drafts free, a verify pass as cheap as a decode step); "
               "step cost = seconds per target pass (drafting + verify) / seconds per plain token, "
               "so speedup = tau / step cost."]

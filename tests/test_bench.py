@@ -192,3 +192,56 @@ def test_a_long_suite_past_the_window_is_refused_in_one_line(smollm_dir):
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "suite long8k: a prompt of" in result.output
     assert "exceeds the model's context window of 8192 tokens" in result.output
+
+
+def test_prefill_once_shares_each_prompt_s_prefill_and_changes_no_result(smollm, smollm_dir,
+                                                                         tmp_path, monkeypatch):
+    """--prefill-once: per prompt, one prefill per set of target layers the drafters read
+    (plain's and lookup's none, DFlash's), where each run otherwise prefills its own; the
+    tokens, passes and accepts of every run are those of runs that prefilled themselves."""
+    import mlxspec
+    from mlxspec.backends.mlx.target import MLXTarget
+    from mlxspec.bench import run_benchmark, suite_chat_prompts
+    from mlxspec.generate import encode_prompt
+
+    model, tokenizer = smollm
+    prefilled = []
+    prefill = MLXTarget.prefill
+
+    def counting(self, tokens, held=None):
+        before = self.offset
+        features = prefill(self, tokens, held)
+        prefilled.append(self.offset - before)
+        return features
+
+    monkeypatch.setattr(MLXTarget, "prefill", counting)
+    prompts = suite_chat_prompts(model, tokenizer, ["copy"], 2, 12)
+    drafters = {"none": None, "lookup@4": mlxspec.load_drafter("lookup", model=model, tokenizer=tokenizer),
+                "dflash@4": mlxspec.load_drafter("dflash", model=model, tokenizer=tokenizer,
+                                                 draft_vocab=False)}
+    reports = {}
+    for once in (False, True):
+        prefilled.clear()
+        reports[once] = run_benchmark(
+            model, tokenizer, drafters=drafters, suites=["copy"], temps=[0.0], max_tokens=12,
+            limit=2, with_mlx_lm=False, with_llama_cpp=False, prompts_by_suite=prompts,
+            prefill_once=once, progress=lambda line: None)
+        lengths = [len(encode_prompt(tokenizer, p)) - 1 for p in prompts["copy"]]
+        runs = prefilled[-6:]  # the warm-up's come first
+        assert runs == ([n for n in lengths for _ in range(3)] if not once else
+                        [n for n in lengths for n in (n, 0, n)])
+    for a, b in zip(*(reports[once]["results"] for once in (False, True))):
+        assert a["drafter"] == b["drafter"]
+        for key in ("tokens_per_prompt", "passes_per_prompt", "accepted_per_prompt"):
+            assert a[key] == b[key], (a["drafter"], key)
+    assert reports[True]["settings"]["prefill_once"] is True
+    assert sum(reports[True]["results"][2]["accepted_per_prompt"]) > 0
+
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(smollm_dir), "--drafters", "none,lookup@4", "--suite", "copy",
+        "--limit", "1", "-n", "8", "--no-mlx-lm", "--no-llama-cpp", "--prefill-once",
+        "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["settings"]["prefill_once"] is True
+    assert "prefilled once for all our runs" in result.output
