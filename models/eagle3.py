@@ -27,6 +27,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import KVCache
 
 from ..backends.mlx.tree_pass import TreeRoPE
+from ..backends.mlx.window import window_mask
 from .dflash import rope_for
 
 LAYOUTS = ("speculators", "specforge")
@@ -424,26 +425,3 @@ class Eagle3Model(nn.Module):
     def target_ids(self) -> mx.array:
         """The target id of every draft-vocabulary row, (draft_vocab,)."""
         return self.to_target(mx.arange(self.args.draft_vocab_size))
-
-
-def window_mask(cached: int, length: int, window: int, mask: mx.array | None,
-                positions: mx.array | None) -> mx.array:
-    """What `length` new entries see through a drafter window: entry e at RoPE position p_e sees
-    the entries at positions in (p_e - window, p_e] that `mask` lets it see.
-
-    A chain (positions None: the new entries next in order, causal): pair i sits at position
-    i + 1, so no visible entry lies before the last window - 1 cached ones, and only those
-    columns are kept: the attention reads at most window - 1 + length keys, whatever the
-    context. A tree's entries (`positions`, `mask` their ancestors) see the committed pairs
-    within the window and all their ancestors (earlier depths' entries count as just behind
-    them); the mask keeps every column, as a tree's entries are not in position order."""
-    if positions is None:
-        positions = mx.arange(cached + 1, cached + 1 + length)
-        causal = mx.arange(cached + length)[None] <= mx.arange(cached, cached + length)[:, None]
-        keys = mx.arange(1, cached + length + 1)
-        visible = causal & (positions[:, None] - keys[None] < window)
-        return visible[:, -min(cached + length, window - 1 + length) :]
-    positions = positions.astype(mx.int32)
-    behind = mx.minimum(mx.arange(1, cached + 1), positions.min() - 1)
-    keys = mx.concatenate([behind, positions])
-    return mask & (positions[:, None] - keys[None] < window)

@@ -33,6 +33,7 @@ from mlx_lm.models.cache import KVCache
 from ..file_checks import one_line
 from ..backends.mlx.hidden_states import instance_attributes
 from ..backends.mlx.tree_pass import TreeRoPE, attention_modules
+from ..backends.mlx.window import window_mask, windowed
 
 MTP_WEIGHTS = "mtp.safetensors"  # a converted model's MTP tensors, as published
 
@@ -146,7 +147,11 @@ class MTPModel(nn.Module):
     hidden, cache)` runs module i, `logits(x, i)` ranks from module i's output x (before its
     final norm), `chained(x, i)` is what the next depth reads. Called as a whole, it is what
     mlxspec.drafters.paired's tree expansion calls a drafter: module 1 on the chained form of
-    a previous output, at given positions under a given mask."""
+    a previous output, at given positions under a given mask. With `context_window` N
+    (--drafter-window), each entry sees the entries of its module's cache at most N - 1
+    positions behind it (mlxspec.backends.mlx.window)."""
+
+    context_window: int | None = None
 
     def __init__(self, modules: list[MTPModule], *, embed, head: Callable, final_norm,
                  chain_after_norm: bool):
@@ -164,7 +169,8 @@ class MTPModel(nn.Module):
 
     def run(self, index: int, ids: mx.array, hidden: mx.array, cache: list) -> mx.array:
         module = self.mtp[index]
-        return module(self._target_parts[0](ids), hidden, cache[index])
+        return module(self._target_parts[0](ids), hidden, windowed(cache[index],
+                                                                   self.context_window))
 
     def __call__(self, ids: mx.array, previous: mx.array, cache: list, *,
                  mask: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
@@ -179,6 +185,9 @@ class MTPModel(nn.Module):
         # A pair (h_p, t_{p+1}) sits at RoPE position p, mlx-vlm's and mtplx's convention (the
         # cache's offset for a chain): one before its token's.
         shift = positions - 1 - cache[0][0].offset
+        if self.context_window is not None:
+            mask = window_mask(cache[0][0].offset, ids.shape[1], self.context_window, mask,
+                               positions)
         ropes = [(a, "rope", TreeRoPE(a["rope"], shift)) for a in self._attentions]
         with instance_attributes(ropes):
             return self.mtp[0](self._target_parts[0](ids), hidden, cache[0], mask=mask)

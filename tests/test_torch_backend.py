@@ -597,3 +597,27 @@ def test_torch_padded_batch_is_the_sum_of_its_sequences(tiny_target, tmp_path):
     for part, whole in zip(zip(*alone), together):
         assert abs(float(sum(part)) - float(whole)) < 1e-4 * max(1.0, abs(float(whole)))
     assert int(together[2]) == sum(int(c) for _, _, c in alone)
+
+
+def test_a_draft_model_window_masks_as_on_mlx(smollm, torch_smollm, smollm_first_layers,
+                                              prompt_ids):
+    """--drafter-window for a draft model on torch: a 4D mask transformers applies as given
+    (the MLX drafter reads only the window's keys); a prompt's feed and a one-token step give
+    the MLX drafter's logits, and differ from the same steps without the window."""
+    (model, tokenizer), (tmodel, ttokenizer) = smollm, torch_smollm
+    ids = prompt_ids[0][:40]
+    logits = {}
+    for window in (8, None):
+        ours = mlxspec.load_drafter("draft", smollm_first_layers, model=tmodel,
+                                    tokenizer=ttokenizer, window=window)
+        theirs = mlxspec.load_drafter("draft", smollm_first_layers, model=model,
+                                      tokenizer=tokenizer, window=window)
+        steps = []
+        for drafter in (ours, theirs):
+            drafter.begin(ids)
+            with torch.inference_mode():
+                steps.append([drafter._step(drafter.xp.ids(feed)) for feed in (ids, [42])])
+        for a, b in zip(*steps):
+            assert np.abs(a.float().numpy() - np.array(b)).max() < 1e-3
+        logits[window] = steps[1]
+    assert not all(mx.allclose(a, b, atol=1e-2).item() for a, b in zip(*logits.values()))

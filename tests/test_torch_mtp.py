@@ -305,3 +305,24 @@ def test_sampled_output_follows_the_targets_distribution(tmp_path):
     assert 0 < stats.accepted < stats.drafted
     pvalue = chi_squared_pvalue(counts, exact)
     assert pvalue > 0.001, f"p = {pvalue:.2g}"
+
+
+@pytest.mark.parametrize("options", [{}, {"tree_budget": 16, "tree_width": 3}],
+                         ids=["chain", "tree"])
+def test_a_drafter_window_masks_as_on_mlx(twins, options):
+    """--drafter-window 3: chain logits (depths 1-3) and tree candidates as on MLX, where the
+    window reads only its keys; torch masks the rest."""
+    path, mlx_model, torch_model = twins
+    ours = load_mtp_drafter(path, model=torch_model, window=3, **options)
+    theirs = load_mlx_mtp(path, model=mlx_model, window=3, **options)
+    begun(ours, TorchTarget(torch_model, capture_layers=ours.capture_layers), PROMPT)
+    begun(theirs, MLXTarget(mlx_model, capture_layers=theirs.capture_layers), PROMPT)
+    if not options:
+        drafts = [int(mx.argmax(theirs.chain_logits(PROMPT, 1)[0])), 77]
+        assert max_diff(ours.chain_logits(PROMPT, 3, drafts),
+                        theirs.chain_logits(PROMPT, 3, drafts)) < ATOL
+        return
+    scores, ids, parents = ours.tree_candidates(PROMPT, 16, GREEDY)
+    want_scores, want_ids, want_parents = theirs.tree_candidates(PROMPT, 16, GREEDY)
+    assert (ids, parents) == (want_ids, want_parents)
+    assert np.abs(np.array(scores) - np.array(want_scores)).max() < ATOL

@@ -19,6 +19,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..engine import Draft, Drafter, Verdict, common_prefix_length
 from ..backends.mlx.target import untrimmable_caches
+from ..backends.mlx.window import windowed
+from ..request import check_drafter_window
 from ..rollback import (
     attention_trimmable,
     is_recurrent,
@@ -53,14 +55,16 @@ class DraftModelDrafting(Drafter):
     """The host side of a draft model, one for both backends: which tokens its cache holds,
     how far back a step rewinds it, the K-step chain and its draws. A backend's subclass brings
     the tensor math: `xp` (ids, stack), a fresh cache, cutting it, one model step and one draw;
-    a cache with recurrent layers also says which lengths it can reach and keeps their states."""
+    a cache with recurrent layers also says which lengths it can reach and keeps their states.
+    `window` (--drafter-window): each position attends to its last `window` positions only,
+    so a long context stops making every draft step dearer."""
 
     name = "draft"
     default_num_draft = 4
     xp = None  # the backend's array primitives: MLXArrays, or the torch backend's
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, window: int | None = None):
+        self.model, self.window = model, check_drafter_window(window)
         self._fresh_cache()
         self._fed_drafts = 0  # drafts fed to the cache this step, known after verification
 
@@ -141,8 +145,8 @@ class DraftModelDrafter(DraftModelDrafting):
 
     xp = MLXArrays
 
-    def __init__(self, model):
-        super().__init__(model)
+    def __init__(self, model, window: int | None = None):
+        super().__init__(model, window)
         bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
         if bad:
             raise ValueError(f"draft model cache {', '.join(bad)} cannot roll back")
@@ -177,7 +181,7 @@ class DraftModelDrafter(DraftModelDrafting):
         return True
 
     def _step(self, ids: mx.array) -> mx.array:
-        return self.model(ids, cache=self.cache)[0, -1]
+        return self.model(ids, cache=windowed(self.cache, self.window))[0, -1]
 
     def _draw(self, logits: mx.array, sampling: SamplingConfig):
         if sampling.greedy:

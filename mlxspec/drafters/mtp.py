@@ -18,6 +18,7 @@ from ..backends import backend_for
 from ..backends.mlx.hidden_states import decoder_layers
 from ..file_checks import read_json_object, safetensors_names
 from ..loading import SOURCE
+from ..request import check_drafter_window
 from ..models.mtp import (
     MTP_WEIGHTS,
     SHIPPING,
@@ -138,20 +139,24 @@ def _shard_keys(path: Path) -> list[str]:
 
 
 def load_mtp_drafter(path, *, model, tokenizer=None, tree_budget: int | None = None,
-                     tree_width: int = 4, tree_depth: int = 6) -> MTPDrafter:
+                     tree_width: int = 4, tree_depth: int = 6,
+                     window: int | None = None) -> MTPDrafter:
     """The MTP drafter of mlx-lm target `model` from its checkpoint directory `path` (by default
     the directory mlxspec.load read it from): the modules declared by its config, with the
     weights kept by `mlxspec convert` or inside a Hugging Face checkpoint. `tokenizer` is
     accepted for symmetry with other drafters. `tree_budget`: EAGLE-2's dynamic tree of up to
     this many nodes (`tree_width` children per node, `tree_depth` levels) grown by module 1,
-    instead of a chain."""
+    instead of a chain. `window`: each module entry sees at most this many of its cache's
+    (--drafter-window)."""
     tree_options = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=tree_depth)
     check_tree_options(tree_budget, tree_width, tree_depth)
+    check_drafter_window(window)
     path = Path(path)
     check_mtp_source(path, model)
     config = read_model_config(path)
     tensors, published = read_mtp_tensors(path, config)
     mtp = build_mtp_model(model, config, tensors, published=published)
+    mtp.context_window = window
     settings = text_config(config)
     return MTPDrafter(mtp, num_target_layers=len(decoder_layers(model)),
                       hidden_size=int(settings["hidden_size"]),

@@ -224,19 +224,20 @@ def model_drafters() -> list[DrafterKind]:
 # ---- The factories and checks that have no module of their own ----------------------------------
 
 
-def load_draft_model_drafter(path, *, model, tokenizer, **options):
+def load_draft_model_drafter(path, *, model, tokenizer, window: int | None = None, **options):
     """A smaller model with the target's tokenizer (a converted directory, a .gguf file or a Hugging
-    Face repo id); `options` go to `mlxspec.load`."""
+    Face repo id); `options` go to `mlxspec.load`; `window`: --drafter-window."""
     from ..backends.mlx.target import vocab_size
     from ..loading import load
     from .draft_model import DraftModelDrafter, check_same_tokenizer
 
     draft_model, draft_tokenizer = load(path, **options)
     check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
-    return DraftModelDrafter(draft_model)
+    return DraftModelDrafter(draft_model, window)
 
 
-def load_torch_draft_model_drafter(path, *, model, tokenizer, **options):
+def load_torch_draft_model_drafter(path, *, model, tokenizer, window: int | None = None,
+                                   **options):
     """The draft-model drafter for a transformers target `model`: a model with the target's
     tokenizer, on the target's device and in its dtype."""
     from ..backends.torch import TorchDraftModelDrafter, load, model_device, vocab_size
@@ -247,7 +248,7 @@ def load_torch_draft_model_drafter(path, *, model, tokenizer, **options):
     check_model_dir(draft_dir)
     draft_model, draft_tokenizer = load(draft_dir, device=model_device(model), dtype=model.dtype)
     check_same_tokenizer(tokenizer, draft_tokenizer, vocab_size(model), vocab_size(draft_model))
-    return TorchDraftModelDrafter(draft_model)
+    return TorchDraftModelDrafter(draft_model, window)
 
 
 def sizes_and_checksum(model):
@@ -294,9 +295,10 @@ TREE_WIDTH = DrafterOption(
          "expanded per depth).")
 DRAFTER_WINDOW = DrafterOption(
     "window", "--drafter-window", type=int, minimum=2,
-    help="DFlash, EAGLE-3: the drafter sees at most the last N context positions (DFlash: "
-         "every layer, narrowing the checkpoint's own sliding window; EAGLE-3: its layer's "
-         "cache): its cost stops growing with a long context. Output is the same either way.")
+    help="DFlash, EAGLE-3, MTP, draft: the drafter sees at most the last N context positions "
+         "(DFlash: every layer, narrowing the checkpoint's own sliding window; EAGLE-3, MTP: "
+         "their layers' caches; a draft model: every attention layer): its cost stops "
+         "growing with a long context. Output is the same either way.")
 
 register(DrafterKind("none", host_only(PlainDecoding)))
 register(DrafterKind(
@@ -329,6 +331,7 @@ register(DrafterKind(
     "draft",
     {"mlx": load_draft_model_drafter,
      "torch": load_torch_draft_model_drafter},
+    options=(DRAFTER_WINDOW,),
     checkpoint=Checkpoint("a draft model path"),
 ))
 register(DrafterKind(
@@ -374,7 +377,7 @@ register(DrafterKind(
     "mtp",
     {"mlx": lazy("mlxspec.drafters.mtp", "load_mtp_drafter"),
      "torch": lazy("mlxspec.backends.torch.mtp", "load_mtp_drafter")},
-    options=(TREE_BUDGET, TREE_WIDTH),
+    options=(TREE_BUDGET, TREE_WIDTH, DRAFTER_WINDOW),
     checkpoint=Checkpoint(
         "the target's own checkpoint directory, with the multi-token-prediction weights it ships",
         check=lazy("mlxspec.drafters.mtp", "check_mtp_source"),

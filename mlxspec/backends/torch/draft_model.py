@@ -11,7 +11,8 @@ from ...drafters.draft_model import DraftModelDrafting
 from ...sampling import SamplingConfig
 from .arrays import TorchArrays
 from .sampling import categorical, processed_logprobs
-from .target import cache_argument, can_crop, crop, make_cache, model_device
+from .dflash import block_mask
+from .target import cache_argument, cache_length, can_crop, crop, make_cache, model_device
 
 
 class TorchDraftModelDrafter(DraftModelDrafting):
@@ -20,10 +21,10 @@ class TorchDraftModelDrafter(DraftModelDrafting):
 
     backend = "torch"
 
-    def __init__(self, model):
+    def __init__(self, model, window: int | None = None):
         self.xp = TorchArrays(model_device(model))
         self._cache_arg = cache_argument(model)
-        super().__init__(model)
+        super().__init__(model, window)
         if not can_crop(self.cache):
             raise ValueError(f"draft model cache {type(self.cache).__name__} cannot roll back")
 
@@ -38,6 +39,11 @@ class TorchDraftModelDrafter(DraftModelDrafting):
 
     def _step(self, ids: torch.Tensor) -> torch.Tensor:
         kwargs = {self._cache_arg: self.cache, "use_cache": True, "logits_to_keep": 1}
+        if self.window is not None:  # a 4D mask transformers uses as given: masked only
+            past, n = cache_length(self.cache), ids.shape[1]
+            visible = block_mask(past, past, n, causal=True, window=self.window,
+                                 device=ids.device)
+            kwargs["attention_mask"] = visible[None, None]
         return self.model(input_ids=ids, **kwargs).logits[0, -1]
 
     def _draw(self, logits: torch.Tensor, sampling: SamplingConfig):

@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from ...drafters.mtp import MTPDrafting, check_mtp_source, read_model_config
 from ...drafters.paired import check_tree_options
 from ...file_checks import one_line
+from ...request import check_drafter_window
 from ...models.mtp import family_of, module_tensors, mtp_count, read_mtp_tensors, text_config
 from .dflash import block_mask
 from .eagle3 import TorchPairedDrafting
@@ -74,6 +75,7 @@ class MTPModel(nn.Module):
         self.layer_indices = tuple(layer_indices)  # the cache index module i's layer writes at
         self.chain_after_norm = chain_after_norm
         self._target_parts = (embed, head, final_norm, rotary)
+        self.context_window: int | None = None  # --drafter-window, as models.mtp.MTPModel's
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,10 +94,10 @@ class MTPModel(nn.Module):
     def run(self, index: int, ids, hidden, cache: list) -> torch.Tensor:
         """Module `index` on ids (1, L) and hidden (1, L, H) at the next L positions of its
         cache, causally: its output (1, L, H), L entries appended."""
-        past, length = self.cache_length(cache, index), ids.shape[1]
+        past, length, window = self.cache_length(cache, index), ids.shape[1], self.context_window
         positions = torch.arange(past, past + length, device=hidden.device)
-        visible = (block_mask(past, past, length, causal=True, window=None,
-                              device=hidden.device) if length > 1 else None)
+        visible = (block_mask(past, past, length, causal=True, window=window,
+                              device=hidden.device) if length > 1 or window else None)
         return self._pass(index, ids, hidden, cache, positions, visible)
 
     def forward(self, ids, previous, cache: list, *, mask=None, positions=None):
@@ -106,6 +108,12 @@ class MTPModel(nn.Module):
         hidden = self.chained(previous, 0)
         if positions is None:
             return self.run(0, ids, hidden, cache)
+        if self.context_window is not None:  # backends.mlx.window.window_mask's rule, masked
+            past = self.cache_length(cache, 0)
+            behind = torch.arange(1, past + 1, device=hidden.device).clamp(
+                max=int(positions.min()) - 1)  # earlier depths' entries: just behind this one
+            keys = torch.cat([behind, positions])
+            mask = mask & (positions[:, None] - keys[None] < self.context_window)
         # A pair (h_p, t_{p+1}) sits at RoPE position p: one before its token's.
         return self._pass(0, ids, hidden, cache, positions - 1, mask)
 
@@ -241,7 +249,8 @@ def build_mtp_model(target, config: dict, tensors: dict, *,
 
 
 def load_mtp_drafter(path, *, model, tokenizer=None, tree_budget: int | None = None,
-                     tree_width: int = 4, tree_depth: int = 6) -> TorchMTPDrafter:
+                     tree_width: int = 4, tree_depth: int = 6,
+                     window: int | None = None) -> TorchMTPDrafter:
     """The MTP drafter of transformers target `model` from its checkpoint directory `path` (by
     default the directory mlxspec.load read it from), checked as the MLX loader checks it;
     families other than DeepSeek-V3's layout are refused in one line (TORCH_MODEL_TYPES). `tokenizer` is accepted
@@ -249,11 +258,13 @@ def load_mtp_drafter(path, *, model, tokenizer=None, tree_budget: int | None = N
     nodes (`tree_width` children per node, `tree_depth` levels) grown by module 1, instead of
     a chain."""
     check_tree_options(tree_budget, tree_width, tree_depth)
+    check_drafter_window(window)
     path = Path(path)
     check_mtp_source(path, model)
     config = read_model_config(path)
     tensors, _ = read_mtp_tensors(path, config)  # the published convention: no (1 + w) norms
     mtp = build_mtp_model(model, config, tensors)
+    mtp.context_window = window
     settings = text_config(config)
     return TorchMTPDrafter(mtp, num_target_layers=len(decoder_layers(model)),
                            hidden_size=int(settings["hidden_size"]),
