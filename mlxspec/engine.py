@@ -336,9 +336,18 @@ class AdaptiveDraftLength:
     at K = 1) ran at 0.89-0.95x of a fixed K = 1 (SmolLM2's EAGLE-3, this CPU); simulated at
     p = 0.35, 0.92x at 0.7 and 0.97x at 0.9, while text that switches between copying and new
     prose every 50 steps loses 2%.
+
+    Near break-even it still drafts one (`probe_margin`: when K = 1 is expected within 5% of
+    drafting nothing). Drafting nothing stops the first position's estimate from learning, so
+    one that noise pushed just under break-even stayed there until a probe hit (about 24 steps
+    at p = 0.31): SmolLM2's EAGLE-3 (p 0.31, a K = 1 step 1.24 plain steps, break-even 0.24)
+    drafted in half its steps and ran 0.89x of a fixed K = 1 on HumanEval. Simulated
+    (benchmarks/adaptive_k_simulation.py): at p = 0.31, 0.97x of a fixed K = 1 without the
+    margin, 0.99x with it; where drafting loses (p = 0.1), 0.98x of plain decoding either way.
     """
 
     reads_tokens = False  # next_k() needs only this object's state, not the latest tokens
+    probe_margin = 0.95
 
     def __init__(self, max_k: int, decay: float = 0.9, probe_every: int = 8,
                  prior_token_cost: float = 0.1, min_token_cost: float = 0.03):
@@ -381,6 +390,9 @@ class AdaptiveDraftLength:
             speed = expected / (intercept + slope * k)
             if speed > best_rate:
                 best_k, best_rate = k, speed
+        if best_k == 0 and self.conditional and (1.0 + self.conditional[0]) / (
+                intercept + slope) >= self.probe_margin * best_rate:
+            best_k = 1  # within the margin of break-even: drafting costs little, and teaches
         if best_k == 0:
             self.idle_steps += 1
             if self.idle_steps >= self.probe_every:

@@ -245,6 +245,18 @@ def test_adaptive_choice_follows_measured_costs():
     assert policy.next_k() == 0
 
 
+def test_adaptive_k_keeps_drafting_near_break_even():
+    """A K = 1 step costing 1.24 plain steps breaks even at a first-draft acceptance of 0.24.
+    Estimated at 0.22, drafting is within 5% of not drafting: it drafts one (cheap, and it keeps
+    the estimate up to date, where drafting nothing would leave it stale until the next probe).
+    Estimated at 0.05, it drafts nothing but every 8th step."""
+    for estimate, drafts in ((0.22, [1] * 16), (0.05, [0] * 7 + [1] + [0] * 7 + [1])):
+        policy = AdaptiveDraftLength(4)
+        policy.step_time = {0: 1.0, 1: 1.24, 2: 1.34}
+        policy.conditional = [estimate, 0.0, 0.0, 0.0]
+        assert [policy.next_k() for _ in range(16)] == drafts
+
+
 def test_adaptive_policy_carries_over_between_generations(target):
     """The drafter keeps its adaptive-K policy across calls (greedy and sampled apart): what one
     prompt taught about acceptance is where the next starts."""
