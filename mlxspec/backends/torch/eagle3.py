@@ -39,6 +39,7 @@ from .arrays import TorchArrays
 from .dflash import _WeightHead, block_mask, read_weights
 from .sampling import categorical, processed_logprobs
 from .target import additive, cache_length, crop, decoder_layers, model_device, target_sizes
+from .window import window_mask
 
 
 def layer_config(args: Eagle3Config) -> LlamaConfig:
@@ -142,7 +143,7 @@ class Eagle3Model(nn.Module):
         """models.eagle3.Eagle3Model.__call__: tokens (B, L) and hidden (B, L, H) -> the
         layer's output (B, L, H), L entries appended to `cache`. Pair i sits at position i+1;
         a tree's entries bring `positions` (L,) and a bool `mask` (L, cached + L). A drafter
-        window (mlxspec.backends.mlx.window.window_mask) masks what lies beyond it."""
+        window (backends.torch.window.window_mask) masks what lies beyond it."""
         h = hidden.to(self.dtype)
         past, L = cache_length(cache), tokens.shape[1]
         window, tree = self.args.context_window, positions is not None
@@ -150,12 +151,8 @@ class Eagle3Model(nn.Module):
             positions = torch.arange(past + 1, past + 1 + L, device=h.device)
             if L > 1 or window is not None:
                 mask = block_mask(past, past, L, causal=True, window=None, device=h.device)
-        if window is not None:  # backends.mlx.window.window_mask's rule, masked only
-            behind = torch.arange(1, past + 1, device=h.device)
-            if tree:  # earlier depths' entries count as just behind this one
-                behind = behind.clamp(max=int(positions.min()) - 1)
-            keys = torch.cat([behind, positions])
-            mask = mask & (positions[:, None] - keys[None] < window)
+        if window is not None:
+            mask = window_mask(past, positions, mask, window)
         rotation = self.rotary(h, positions[None])
         return self.layers[0](self.embed(tokens), h, rotation, additive(mask, self.dtype), cache)
 

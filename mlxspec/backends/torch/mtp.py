@@ -35,6 +35,7 @@ from ...models.mtp import family_of, module_tensors, mtp_count, read_mtp_tensors
 from .dflash import block_mask
 from .eagle3 import TorchPairedDrafting
 from .target import additive, cache_argument, crop, decoder_layers, model_device
+from .window import window_mask
 
 
 
@@ -108,12 +109,8 @@ class MTPModel(nn.Module):
         hidden = self.chained(previous, 0)
         if positions is None:
             return self.run(0, ids, hidden, cache)
-        if self.context_window is not None:  # backends.mlx.window.window_mask's rule, masked
-            past = self.cache_length(cache, 0)
-            behind = torch.arange(1, past + 1, device=hidden.device).clamp(
-                max=int(positions.min()) - 1)  # earlier depths' entries: just behind this one
-            keys = torch.cat([behind, positions])
-            mask = mask & (positions[:, None] - keys[None] < self.context_window)
+        if self.context_window is not None:
+            mask = window_mask(self.cache_length(cache, 0), positions, mask, self.context_window)
         # A pair (h_p, t_{p+1}) sits at RoPE position p: one before its token's.
         return self._pass(0, ids, hidden, cache, positions - 1, mask)
 
