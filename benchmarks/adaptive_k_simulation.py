@@ -1,7 +1,13 @@
-"""AdaptiveDraftLength on simulated steps: throughput against a fixed K = 1 and plain decoding,
-by first-draft acceptance p and the cost of a K = 1 step (in plain steps), with and without the
-near-break-even margin (`probe_margin`). Later drafts are accepted 10% of the time, each costs
-0.1 of a step more, and step times carry ±10% noise; 20,000 steps, mean of 3 seeds.
+"""AdaptiveDraftLength on simulated steps, two scenarios.
+
+1. Near break-even (`probe_margin`): throughput against a fixed K = 1 and plain decoding, by
+   first-draft acceptance p and the cost of a K = 1 step (in plain steps). Later drafts are
+   accepted 10% of the time, each costs 0.1 of a step more, and step times carry ±10% noise;
+   20,000 steps, mean of 3 seeds.
+2. Finding the best K (the time line's weights, `fit_weight_cap`, and the neighbour probe,
+   `neighbour_margin`): adaptive over the best fixed K of 0..14, by per-position acceptance p
+   and the cost of one more draft (in plain steps; a drafting step costs 0.15 more than a plain
+   one), with lognormal step-time noise; 300 steps (a short answer) and 2,000, mean of 20 seeds.
 
     python benchmarks/adaptive_k_simulation.py
 """
@@ -28,13 +34,58 @@ def simulate(p: float, cost: float, margin: float, steps: int = 20000, seed: int
     return tokens / time
 
 
-def main() -> None:
+def simulate_long(p: float, slope: float, noise: float, steps: int, seed: int,
+                  fixed: int | None = None, weight_cap: int = 8,
+                  neighbour: float = 0.9) -> float:
+    """Tokens per plain-step time: the policy (or a fixed K) with every position accepted
+    with probability p, a step costing (1 + 0.15 [K > 0] + slope K) x lognormal(0, noise)."""
+    rng = random.Random(seed)
+    policy = AdaptiveDraftLength(15)
+    policy.fit_weight_cap, policy.neighbour_margin = weight_cap, neighbour
+    tokens = time = 0.0
+    for _ in range(steps):
+        k = fixed if fixed is not None else policy.next_k()
+        accepted = 0
+        while accepted < k and rng.random() < p:
+            accepted += 1
+        seconds = (1.0 + 0.15 * (k > 0) + slope * k) * rng.lognormvariate(0.0, noise)
+        tokens, time = tokens + 1 + accepted, time + seconds
+        policy.update(k, accepted, seconds)
+    return tokens / time
+
+
+def margin_table() -> None:
     print("| p | K = 1 step cost | fixed K = 1 / plain | adaptive, no margin | "
           "adaptive, margin 0.95 |")
     print("|---|---|---|---|---|")
     for p, cost in ((0.5, 1.2), (0.31, 1.24), (0.25, 1.2), (0.2, 1.24), (0.1, 1.2)):
         runs = [sum(simulate(p, cost, m, seed=s) for s in range(3)) / 3 for m in (1.0, 0.95)]
         print(f"| {p} | {cost} | {(1 + p) / cost:.3f} | {runs[0]:.3f} | {runs[1]:.3f} |")
+
+
+def best_k_table(seeds: int = 20) -> None:
+    print("| noise | steps | p | cost per draft | best fixed K | equal weights, no probe | "
+          "weighted fit | weighted fit + neighbour probe |")
+    print("|---|---|---|---|---|---|---|---|")
+    for noise in (0.1, 0.3):
+        for steps in (300, 2000):
+            for p, slope in ((0.95, 0.05), (0.9, 0.35), (0.8, 0.35), (0.8, 0.1), (0.7, 0.35),
+                             (0.6, 0.02), (0.5, 0.35)):
+                def mean(**options):
+                    return sum(simulate_long(p, slope, noise, steps, s, **options)
+                               for s in range(seeds)) / seeds
+                fixed = {k: mean(fixed=k) for k in range(15)}
+                best = max(fixed, key=fixed.get)
+                runs = [mean(weight_cap=1, neighbour=float("inf")),
+                        mean(neighbour=float("inf")), mean()]
+                print(f"| {noise} | {steps} | {p} | {slope} | {best} | "
+                      + " | ".join(f"{r / fixed[best]:.3f}" for r in runs) + " |")
+
+
+def main() -> None:
+    margin_table()
+    print()
+    best_k_table()
 
 
 if __name__ == "__main__":

@@ -205,6 +205,15 @@ def _det3(m: list[list[float]]) -> float:
             + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
 
+def conditional_from_reach(reach: list[float]) -> list[float]:
+    """P(draft j accepted | draft j-1 accepted) from the chance of reaching each draft."""
+    conditional, before = [], 1.0
+    for r in reach:
+        conditional.append(min(r / before, 1.0) if before > 0 else 0.0)
+        before = r
+    return conditional
+
+
 def _expected(conditional: list[float], cap: int) -> list[float]:
     """Expected committed tokens with 0..cap drafts: 1 + the chance of reaching each draft."""
     expected, reach, total = [1.0], 1.0, 1.0

@@ -249,12 +249,44 @@ def test_adaptive_k_keeps_drafting_near_break_even():
     """A K = 1 step costing 1.24 plain steps breaks even at a first-draft acceptance of 0.24.
     Estimated at 0.22, drafting is within 5% of not drafting: it drafts one (cheap, and it keeps
     the estimate up to date, where drafting nothing would leave it stale until the next probe).
-    Estimated at 0.05, it drafts nothing but every 8th step."""
-    for estimate, drafts in ((0.22, [1] * 16), (0.05, [0] * 7 + [1] + [0] * 7 + [1])):
+    Estimated at 0.05, it drafts nothing but every 8th step. (Drafting, every 8th step it
+    measures K = 2, expected within 10% of K = 1.)"""
+    for estimate, drafts in ((0.22, ([1] * 7 + [2]) * 2), (0.05, [0] * 7 + [1] + [0] * 7 + [1])):
         policy = AdaptiveDraftLength(4)
         policy.step_time = {0: 1.0, 1: 1.24, 2: 1.34}
         policy.conditional = [estimate, 0.0, 0.0, 0.0]
         assert [policy.next_k() for _ in range(16)] == drafts
+
+
+def test_adaptive_time_line_weighs_each_k_by_its_samples():
+    """K = 3 and 4 timed 40 times each (0.1 plain steps a draft), K = 6 once and slowly (a
+    noisy probe): the line follows the many samples and a long draft stays the choice; at equal
+    weights the one slow sample tilts the line and K = 1 wins."""
+    def fitted(cap):
+        policy = AdaptiveDraftLength(8)
+        policy.fit_weight_cap, policy.neighbour_margin = cap, float("inf")
+        policy.conditional = [0.8] * 8
+        for _ in range(40):
+            policy.update(3, 3, 1.4)
+            policy.update(4, 4, 1.5)
+            policy.update(0, 0, 1.0)
+        policy.update(6, 0, 2.5)
+        return policy.next_k(), policy._time_model()[2]
+    (k_weighted, slope_weighted), (k_equal, slope_equal) = fitted(8), fitted(1)
+    assert slope_weighted < slope_equal and k_weighted >= 3 and k_equal == 1
+
+
+def test_adaptive_k_measures_its_neighbour():
+    """Where K + 1 is expected nearly as fast as the chosen K, every probe_every drafting
+    steps K + 1 is run instead, so the line is measured there and not only extrapolated."""
+    policy = AdaptiveDraftLength(8)
+    policy.step_time, policy.step_count = {0: 1.0, 2: 1.5, 3: 1.8}, {0: 9, 2: 9, 3: 9}
+    policy.conditional = [0.7] * 8
+    chosen = [policy.next_k() for _ in range(16)]
+    best = chosen[0]
+    assert chosen == ([best] * 7 + [best + 1]) * 2
+    policy.neighbour_margin = float("inf")
+    assert {policy.next_k() for _ in range(16)} == {best}
 
 
 def test_adaptive_policy_carries_over_between_generations(target):

@@ -435,3 +435,30 @@ def test_the_loop_verifies_what_the_row_s_policy_keeps_of_a_draft(target):
             assert len(stats.drafted_per_position) == 1 and stats.drafted > 0
         else:
             assert stats.drafted == sum(map(len, proposed))
+
+
+def test_a_batch_weighs_suffix_drafts_by_their_own_frequencies(target, monkeypatch):
+    """In a batch a suffix row's draft is not cut by its own policy, which weighs drafts as if
+    they cost what they cost alone (the batch pays for its widest row anyway): the shared width
+    is chosen from each draft's calibrated path frequencies, and the output is plain's."""
+    from test_api_hardening import tiny_tokenizer
+
+    from mlxspec.drafters.match_length import ScoredDraftLength
+    from mlxspec.engine import EMPTY_DRAFT
+    from mlxspec.verify_budget import VerifyBudget
+
+    tokenizer = tiny_tokenizer(16)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [5] * 11, [3]]
+    plain = mlxspec.batch_generate(target, tokenizer, prompts, 16)
+    drafter = mlxspec.load_drafter("suffix", model=target, tokenizer=tokenizer)
+    mlxspec.batch_generate(target, tokenizer, prompts, 16, drafter=drafter)  # the history
+    monkeypatch.setattr(ScoredDraftLength, "cut", lambda self, draft: EMPTY_DRAFT)
+    seen, width = [], VerifyBudget.width
+    monkeypatch.setattr(VerifyBudget, "width", lambda self, acceptance, caps: (
+        seen.append(acceptance) or width(self, acceptance, caps)))
+    out = mlxspec.batch_generate(target, tokenizer, prompts, 16, drafter=drafter)
+    assert out.token_ids == plain.token_ids
+    assert sum(s.accepted for s in out.stats) > 0  # drafts no row's cut kept
+    # read from a draft: one estimate per drafted token (the budget's own lists all 16)
+    from_drafts = [row for acceptance in seen for row in acceptance if len(row) < 16]
+    assert from_drafts and all(0 <= c <= 1 for row in from_drafts for c in row)

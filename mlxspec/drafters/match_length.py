@@ -52,7 +52,7 @@ class ScoredDraftLength(AdaptiveDraftLength):
         super().__init__(max_k, **options)
         self.path_probs = path_probs  # the last draft's path frequencies
         self.accepted_sum = self.predicted_sum = 1.0  # a prior of one step as predicted
-        self._predicted = 0.0
+        self._probs: list[float] = []  # the path frequencies of the draft being verified
 
     @property
     def calibration(self) -> float:
@@ -76,15 +76,23 @@ class ScoredDraftLength(AdaptiveDraftLength):
             self.idle_steps += 1
             if self.idle_steps >= self.probe_every:
                 self.idle_steps, best_k = 0, 1
-        self._predicted = sum(probs[:best_k])
+        self._probs = probs
         return draft.prefix(best_k) if best_k else EMPTY_DRAFT
+
+    def draft_reach(self, draft):
+        """The calibrated path frequencies (a batch cuts the whole draft to its width)."""
+        if not len(draft) or draft.parents is not None:
+            return None
+        self._probs = self.path_probs()[: len(draft)]
+        return [self.calibration * p for p in self._probs]
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         super().update(drafted, accepted, seconds)
-        if drafted and self._predicted > 0:  # in tokens as drafted, before the calibration
+        predicted = sum(self._probs[:drafted])  # in tokens as drafted, before the calibration
+        if drafted and predicted > 0:
             self.accepted_sum = self.decay * self.accepted_sum + accepted
-            self.predicted_sum = self.decay * self.predicted_sum + self._predicted
-        self._predicted = 0.0
+            self.predicted_sum = self.decay * self.predicted_sum + predicted
+        self._probs = []
 
 
 def copier_policy(drafter, max_k: int, greedy: bool):
