@@ -17,41 +17,41 @@ import random
 from mlxspec.engine import AdaptiveDraftLength
 
 
-def simulate(p: float, cost: float, margin: float, steps: int = 20000, seed: int = 0) -> float:
-    """Tokens per plain-step time under the policy."""
+def run(policy: AdaptiveDraftLength, steps: int, seed: int, accept, seconds,
+        fixed: int | None = None) -> float:
+    """Tokens per plain-step time under the policy (or a fixed K): draft i is accepted with
+    probability accept(i) if every one before it was; a step at K takes seconds(K, rng)."""
     rng = random.Random(seed)
-    policy = AdaptiveDraftLength(8)
-    policy.probe_margin = margin
     tokens = time = 0.0
     for _ in range(steps):
-        k = policy.next_k()
+        k = fixed if fixed is not None else policy.next_k()
         accepted = 0
-        while accepted < k and rng.random() < (p if accepted == 0 else 0.1):
+        while accepted < k and rng.random() < accept(accepted):
             accepted += 1
-        seconds = (1.0 if k == 0 else cost + 0.1 * (k - 1)) * rng.uniform(0.9, 1.1)
-        tokens, time = tokens + 1 + accepted, time + seconds
-        policy.update(k, accepted, seconds)
+        step = seconds(k, rng)
+        tokens, time = tokens + 1 + accepted, time + step
+        policy.update(k, accepted, step)
     return tokens / time
+
+
+def simulate(p: float, cost: float, margin: float, steps: int = 20000, seed: int = 0) -> float:
+    """Scenario 1: first draft accepted with p, later ones 10%; a K = 1 step costs `cost`."""
+    policy = AdaptiveDraftLength(8)
+    policy.probe_margin = margin
+    return run(policy, steps, seed, lambda i: p if i == 0 else 0.1,
+               lambda k, rng: (1.0 if k == 0 else cost + 0.1 * (k - 1)) * rng.uniform(0.9, 1.1))
 
 
 def simulate_long(p: float, slope: float, noise: float, steps: int, seed: int,
                   fixed: int | None = None, weight_cap: int = 8,
                   neighbour: float = 0.9) -> float:
-    """Tokens per plain-step time: the policy (or a fixed K) with every position accepted
-    with probability p, a step costing (1 + 0.15 [K > 0] + slope K) x lognormal(0, noise)."""
-    rng = random.Random(seed)
+    """Scenario 2: every position accepted with probability p, a step costing
+    (1 + 0.15 [K > 0] + slope K) x lognormal(0, noise)."""
     policy = AdaptiveDraftLength(15)
     policy.fit_weight_cap, policy.neighbour_margin = weight_cap, neighbour
-    tokens = time = 0.0
-    for _ in range(steps):
-        k = fixed if fixed is not None else policy.next_k()
-        accepted = 0
-        while accepted < k and rng.random() < p:
-            accepted += 1
-        seconds = (1.0 + 0.15 * (k > 0) + slope * k) * rng.lognormvariate(0.0, noise)
-        tokens, time = tokens + 1 + accepted, time + seconds
-        policy.update(k, accepted, seconds)
-    return tokens / time
+    return run(policy, steps, seed, lambda i: p,
+               lambda k, rng: (1.0 + 0.15 * (k > 0) + slope * k) * rng.lognormvariate(0.0, noise),
+               fixed=fixed)
 
 
 def margin_table() -> None:

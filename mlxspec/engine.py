@@ -710,16 +710,13 @@ class Loop:
             row.stats.plain_fallback_steps += k <= 0 < wanted
         return max(k, 0)
 
-    def _propose(self, row: Row, k: int) -> Draft:
+    def _propose(self, row: Row, k: int, whole: bool = False) -> Draft:
+        """`row`'s draft of up to k tokens, the part its policy keeps; `whole`: all of it (a
+        batch's free draft: the row's policy weighs drafts as if they cost what they cost
+        alone, while the batch's width cuts it, its padding paid anyway)."""
         draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
-        if row.policy is not None:
+        if row.policy is not None and not whole:
             draft = row.policy.cut(draft)
-        return self._as_verified(row, draft)
-
-    def _propose_whole(self, row: Row, k: int) -> Draft:
-        """A free draft for a batch: not cut by the row's own policy, which weighs drafts as
-        if they cost what they cost alone; the batch's width cuts it (padding is paid anyway)."""
-        draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
         return self._as_verified(row, draft)
 
     def _acceptance(self, row: Row, draft: Draft | None) -> list[float]:
@@ -759,7 +756,7 @@ class Loop:
         found = {}
         caps, self.width_after_drafts = self.width_after_drafts, None
         if caps:  # free drafts first: the batch's width follows what they found
-            found = {row: self._propose_whole(row, cap) for row, cap in caps.items()
+            found = {row: self._propose(row, cap, whole=True) for row, cap in caps.items()
                      if row.drafter.free_drafts}
             width = self.budget.width([self._acceptance(row, found.get(row)) for row in caps],
                                       [len(found[row]) if row in found else cap
