@@ -147,14 +147,16 @@ def kept_start(cache, n: int, layers) -> Start | None:
     return Start(cache.prefix(n), n, cache.features[:n] if layers else None)
 
 
-def keep_row(cache, row: Row, caches: list, held: int | None, *, prompt_length: int) -> None:
+def keep_row(cache, row: Row, caches: list, held: int | None, prompt_state=None, *,
+             prompt_length: int) -> None:
     """A leaving row's caches (copied out of the batch) into `cache`, cut back to the tokens
     it committed; for a drafter that reads target features, to its prompt (but the pending
-    last token), whose features the row kept (those of its reply went to its drafter)."""
+    last token), whose features the row kept (those of its reply went to its drafter), a
+    hybrid's recurrent layers rewound to `prompt_state`."""
     cache.cache = caches
     if row.drafter.capture_layers:
         cache.remember_prompt(row.tokens[:prompt_length], row.prompt_features,
-                              row.drafter.capture_layers)
+                              row.drafter.capture_layers, prompt_state)
     else:
         cache.features = None
         cache.remember(row.tokens)

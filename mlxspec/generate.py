@@ -193,7 +193,7 @@ def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Reque
             if session.kept is not None and session.drafter.capture_layers:
                 session.kept.remember_prompt(
                     prompt_tokens, getattr(session.target, "prompt_features", None),
-                    session.drafter.capture_layers)
+                    session.drafter.capture_layers, getattr(session.target, "prompt_state", None))
             elif session.kept is not None:
                 session.kept.remember(prompt_tokens + output)
 

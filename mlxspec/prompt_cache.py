@@ -77,12 +77,21 @@ class KeptCache:
         self._trim_to(keep)
         return self.cache
 
-    def remember_prompt(self, prompt: Sequence[int], features, layers: Sequence[int]) -> None:
+    def remember_prompt(self, prompt: Sequence[int], features, layers: Sequence[int],
+                        prompt_state=None) -> None:
         """After a generation whose drafter read target features: keep the prompt (but its
         pending last token) with `features`, the prompt's at `layers`, the reply's having gone
-        to the drafter (see `remember` for a cache that cannot be cut back to it)."""
+        to the drafter. A cache that cannot be cut back to it (a hybrid's recurrent layers) is
+        rewound to `prompt_state`, the target's record of it at the end of the prompt (else,
+        see `remember`)."""
         self.features, self.feature_layers = features, tuple(layers)
+        if prompt_state is not None and self.cache is not None:
+            self._rewind(prompt_state, len(prompt) - 1)
         self.remember(prompt[:-1])
+
+    def _rewind(self, prompt_state, n: int) -> None:
+        """Put the cache back to its first n positions, using `prompt_state`."""
+        raise NotImplementedError
 
     def remember(self, tokens: Sequence[int]) -> None:
         """After a generation: `tokens` (prompt + output) begins with what the cache now holds;

@@ -198,7 +198,7 @@ def test_long_prompts_join_in_chunks_and_rows_start_from_kept_caches(kind):
     for i in (0, 1, 2):
         assert [t for t in outputs[id(rows[i])] if t not in eos] == plain[i], i
 
-    (caches, held), = kept
+    (caches, held, _), = kept
     assert held == len(rows[2].tokens) - 1
     turn = rows[2].tokens[:held] + [7, 8, 9]
     want, = alone(model, tokenizer, [turn], [12])

@@ -95,7 +95,7 @@ def assert_caches_match_fresh(model, batch, row, tokens):
     token (its KV entries and recurrent states, copied out as a prompt cache to keep)."""
     fresh = MLXTarget(model)
     fresh.prefill(tokens)
-    caches, held = batch.row_cache(row)
+    caches, held, _ = batch.row_cache(row)
     assert held == len(tokens) - 1
     for b, got, f in zip(batch.cache, caches, fresh.cache):
         if isinstance(b, BatchKVCache):

@@ -79,13 +79,15 @@ def copy_tokenizer(src: Path, dst: Path):
             shutil.copy(f, dst / f.name)
 
 
-def tiny_llama(out: Path, tokenizer_src: Path, vocab_size: int) -> Path:
-    """A 1-layer random llama with `vocab_size` outputs and the given tokenizer files."""
+def tiny_llama(out: Path, tokenizer_src: Path, vocab_size: int, layers: int = 1) -> Path:
+    """A random llama of `layers` layers (head size 32) with `vocab_size` outputs and the given
+    tokenizer files."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=layers,
+                  intermediate_size=128,
                   num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5,
                   vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=8192)
     out.mkdir(parents=True)

@@ -248,12 +248,13 @@ class BatchWorker(Worker):
         self.replies[row] = reply
         self.loop.join(row)
 
-    def _keep(self, row: Row, prompt_length: int, caches: list, held: int | None) -> None:
+    def _keep(self, row: Row, prompt_length: int, caches: list, held: int | None,
+              prompt_state=None) -> None:
         """A leaving row's caches (copied out of the batch) kept for its conversation's next
         turn: as a generation's are remembered, cut back to the tokens it committed."""
         kept = self.parts.prompt_cache()
         kept.check_model(self.model)
-        keep_row(kept, row, caches, held, prompt_length=prompt_length)
+        keep_row(kept, row, caches, held, prompt_state, prompt_length=prompt_length)
         if kept.tokens:
             self.caches.keep(kept)
 

@@ -104,6 +104,9 @@ class MLXBatchTarget:
         self._rows = 0
         self._layout = 0  # bumped by add/remove: a pass's rollback cannot span them
         self._last = None  # what rolling back the last pass needs (see _record)
+        # Per row, with features captured and recurrent layers: their states at the end of the
+        # row's prompt, so a kept cache can be rewound to it (KeptCache.remember_prompt).
+        self._prompt_states: list = []
 
     @property
     def rows(self) -> int:
@@ -157,6 +160,7 @@ class MLXBatchTarget:
             return []
         cache = [RaggedKVCache.from_batch(c) if isinstance(c, BatchKVCache) else c
                  for c in cache]
+        self._prompt_states += self._states_at_prompt_end(cache, len(tickets))
         if self.cache is None:
             self.cache = cache
         else:
@@ -168,16 +172,25 @@ class MLXBatchTarget:
         self._last = None
         return list(zip(tickets, features or [None] * len(tickets)))
 
+    def _states_at_prompt_end(self, cache: list, rows: int) -> list:
+        if not (self.capture_layers and self._has_recurrent):
+            return [None] * rows
+        states = [[list(c.extract(i).cache) for c in cache if is_recurrent(c)]
+                  for i in range(rows)]
+        mx.eval(states)
+        return states
+
     def drop(self, ticket: int) -> None:
         """A joining row leaves before it is ready."""
         self._joining.drop(ticket)
 
-    def row_cache(self, row: int) -> tuple[list, int | None]:
+    def row_cache(self, row: int) -> tuple[list, int | None, list | None]:
         """Row `row`'s caches, copied out of the batch as one sequence's (a prompt cache to
-        keep), and the positions they hold (None: no layer counts them)."""
+        keep), the positions they hold (None: no layer counts them), and its recurrent layers'
+        states at the end of its prompt where it captured features (else None)."""
         caches = [c.extract(row) for c in self.cache]
         mx.eval([c.state for c in caches])  # else they would hold on to the batch's arrays
-        return caches, cache_offset(caches)
+        return caches, cache_offset(caches), self._prompt_states[row]
 
     def remove(self, rows: list[int]) -> None:
         """These rows leave; the others keep their order, renumbered from 0."""
@@ -188,6 +201,7 @@ class MLXBatchTarget:
         if not gone:
             return
         self.cache = keep_rows(self.cache, keep)
+        self._prompt_states = [self._prompt_states[i] for i in keep]
         self._rows = len(keep)
         self._layout += 1
         self._last = None

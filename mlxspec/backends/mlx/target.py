@@ -167,6 +167,9 @@ class MLXTarget:
         # drafter that reads them starts from it; `prompt_features` are the whole prompt's.
         self.held_features = held_features
         self.prompt_features = None
+        # With features captured and recurrent layers: their states at the end of the prompt
+        # (all but its last token), so a kept cache can be rewound to the prompt it keeps.
+        self.prompt_state = None
         self.forward = forward
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.context_length = context_length(model)
@@ -227,6 +230,8 @@ class MLXTarget:
         self._quantize_cache()
         if not self.capture_layers:
             return None
+        if self._recurrent:
+            self.prompt_state = snapshot(self._recurrent)
         if kept is not None:
             features.insert(0, kept)
         if not features:
@@ -447,6 +452,12 @@ class PromptCache(KeptCache):
     def _cut(self, n: int) -> None:
         for c in self.cache:
             c.trim(n)
+
+    def _rewind(self, prompt_state, n: int) -> None:
+        """The recurrent layers' states as MLXTarget.prefill left them (`prompt_state`), the
+        attention layers cut back to the same n positions."""
+        restore(recurrent_layers(self.cache), prompt_state)
+        trim_attention(self.cache, (self._held() or 0) - n)
 
     def prefix(self, n: int) -> list:
         if n == len(self.tokens):
