@@ -80,7 +80,8 @@ class ScoredDraftLength(AdaptiveDraftLength):
         return draft.prefix(best_k) if best_k else EMPTY_DRAFT
 
     def draft_reach(self, draft):
-        """The calibrated path frequencies (a batch cuts the whole draft to its width)."""
+        """The calibrated path frequencies (a batch cuts the whole draft to its width). It
+        also records them, uncalibrated, for `update` to weigh the step's accepted tokens by."""
         if not len(draft) or draft.parents is not None:
             return None
         self._probs = self.path_probs()[: len(draft)]
