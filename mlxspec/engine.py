@@ -562,7 +562,9 @@ class OneRow:
     def bind(self, drafter: Drafter) -> None:
         drafter.bind(self.target)
 
-    def add(self, prompts: list[list[int]], starts: list | None = None) -> list[int]:
+    def add(self, prompts: list[list[int]], starts: list | None = None,
+            kept: list[bool] | None = None) -> list[int]:
+        # kept: the target records its own prompt's end (MLXTarget.prompt_state) for a cache
         if self.rows + len(self.prompts) + len(prompts) > 1:
             raise ValueError("this target holds one sequence")
         if starts and any(starts):
@@ -683,7 +685,8 @@ class Loop:
             new, self.joining = self.joining, []
             for row in new:
                 self.target.bind(row.drafter)
-            tickets = self.target.add([row.tokens for row in new], [row.start for row in new])
+            tickets = self.target.add([row.tokens for row in new], [row.start for row in new],
+                                      [row.on_leave is not None for row in new])
             self.filling.update(zip(tickets, new))
         if self.filling:
             for ticket, features in self.target.fill(self.prefill_chunk if self.rows else None):

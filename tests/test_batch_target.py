@@ -252,6 +252,31 @@ def test_a_row_starts_from_a_kept_cache_with_its_features(name):
     assert relative_diff(ref.features, v.features) <= TOLERANCE
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_only_a_kept_row_records_its_prompt_s_recurrent_states(name):
+    """A hybrid capturing features: a row added as kept (its caches copied out when it leaves)
+    records its recurrent states at the end of its prompt, those a lone prefill leaves; a row
+    not kept records nothing (a big hybrid's states are not held for every row in vain)."""
+    model = MODELS[name]()
+    prompts = [[5, 3, 9, 1, 7, 2], [8, 4, 6, 2, 1]]
+    batch = MLXBatchTarget(model, capture_layers=(1, 3))
+    tickets = batch.add(prompts, kept=[False, True])
+    order = []  # rows join as they are ready
+    while batch.joining:
+        order += [ticket for ticket, _ in batch.fill(budget=3)]
+    not_kept, kept = order.index(tickets[0]), order.index(tickets[1])
+    assert batch.row_cache(not_kept)[2] is None
+    lone = MLXTarget(model, capture_layers=(1, 3))
+    lone.prefill(prompts[1])
+    got = batch.row_cache(kept)[2]
+    assert len(got) == len(lone.prompt_state) > 0
+    for row_states, lone_states in zip(got, lone.prompt_state):
+        for g, w in zip(row_states, lone_states):
+            assert relative_diff(w, g) <= TOLERANCE
+    batch.remove([not_kept])
+    assert batch.row_cache(0)[2] is got
+
+
 def test_a_kept_cache_must_leave_the_last_prompt_token():
     model = MODELS["llama"]()
     single = MLXTarget(model)

@@ -104,9 +104,11 @@ class MLXBatchTarget:
         self._rows = 0
         self._layout = 0  # bumped by add/remove: a pass's rollback cannot span them
         self._last = None  # what rolling back the last pass needs (see _record)
-        # Per row, with features captured and recurrent layers: their states at the end of the
-        # row's prompt, so a kept cache can be rewound to it (KeptCache.remember_prompt).
+        # Per row whose caches are kept when it leaves (`add`'s `kept`), with features captured
+        # and recurrent layers: their states at the end of its prompt, so its kept cache can be
+        # rewound to it (KeptCache.remember_prompt); None for every other row.
         self._prompt_states: list = []
+        self._keeping: set[int] = set()  # tickets of joining rows that will be kept
 
     @property
     def rows(self) -> int:
@@ -119,12 +121,14 @@ class MLXBatchTarget:
 
     # -- joining and leaving ------------------------------------------------------------------
 
-    def add(self, prompts: list[list[int]], starts: list | None = None) -> list[int]:
+    def add(self, prompts: list[list[int]], starts: list | None = None,
+            kept: list[bool] | None = None) -> list[int]:
         """New rows start joining, each to be prefilled on all its tokens but the last (the
         pending one) by `fill`; starts[i], where given, is an engine.Start (or a tuple of its
         fields): a kept prompt cache already holding the first n tokens of prompts[i] (and,
-        for a target capturing features, their features). Returns a ticket per row, for
-        `fill` to name it by."""
+        for a target capturing features, their features); kept[i]: whether row i's caches
+        will be copied out when it leaves (`row_cache`), so what rewinding them to the prompt
+        needs is recorded for it alone. Returns a ticket per row, for `fill` to name it by."""
         if not prompts:
             return []
         if any(not p for p in prompts):
@@ -139,6 +143,7 @@ class MLXBatchTarget:
                              "kept cache only with the features of what it holds")
         tickets = list(range(self._tickets, self._tickets + len(prompts)))
         self._tickets += len(prompts)
+        self._keeping.update(t for t, keep in zip(tickets, kept or []) if keep)
         self._joining.add(tickets,
                           [list(p[s.length if s else 0 : -1]) for p, s in zip(prompts, starts)],
                           [s.caches if s else make_prompt_cache(self.model) for s in starts],
@@ -160,7 +165,8 @@ class MLXBatchTarget:
             return []
         cache = [RaggedKVCache.from_batch(c) if isinstance(c, BatchKVCache) else c
                  for c in cache]
-        self._prompt_states += self._states_at_prompt_end(cache, len(tickets))
+        self._prompt_states += self._states_at_prompt_end(cache, tickets)
+        self._keeping.difference_update(tickets)
         if self.cache is None:
             self.cache = cache
         else:
@@ -172,22 +178,24 @@ class MLXBatchTarget:
         self._last = None
         return list(zip(tickets, features or [None] * len(tickets)))
 
-    def _states_at_prompt_end(self, cache: list, rows: int) -> list:
+    def _states_at_prompt_end(self, cache: list, tickets: list[int]) -> list:
         if not (self.capture_layers and self._has_recurrent):
-            return [None] * rows
+            return [None] * len(tickets)
         states = [[list(c.extract(i).cache) for c in cache if is_recurrent(c)]
-                  for i in range(rows)]
+                  if ticket in self._keeping else None for i, ticket in enumerate(tickets)]
         mx.eval(states)
         return states
 
     def drop(self, ticket: int) -> None:
         """A joining row leaves before it is ready."""
         self._joining.drop(ticket)
+        self._keeping.discard(ticket)
 
     def row_cache(self, row: int) -> tuple[list, int | None, list | None]:
         """Row `row`'s caches, copied out of the batch as one sequence's (a prompt cache to
         keep), the positions they hold (None: no layer counts them), and its recurrent layers'
-        states at the end of its prompt where it captured features (else None)."""
+        states at the end of its prompt where it was added as kept and captured features
+        (else None)."""
         caches = [c.extract(row) for c in self.cache]
         mx.eval([c.state for c in caches])  # else they would hold on to the batch's arrays
         return caches, cache_offset(caches), self._prompt_states[row]
