@@ -541,7 +541,11 @@ class Row:
     prompt_features: Any = None
     produced: int = 0
     finished: bool = False  # it stopped, ran out of tokens or was cancelled: it leaves
-    clock: float = 0.0  # when its last step ended, for the policy's step times
+    # When its last step ended, for the policy's step times; None until its first step has
+    # run, which is not timed: it carries one-off work (a draft model prefilling the prompt,
+    # first-call allocations) that, recorded at the K in use, made that K look several times
+    # slower than it is, and the policy carries it from prompt to prompt.
+    clock: float | None = None
 
     @property
     def k_ahead(self) -> bool:
@@ -695,7 +699,6 @@ class Loop:
                 if row.on_leave is not None:
                     row.prompt_features = features
                 row.drafter.begin(row.tokens, features)
-                row.clock = time.perf_counter()
                 self.rows.append(row)
             self.clock = time.perf_counter()  # a step's time leaves the prefill out
 
@@ -889,7 +892,8 @@ class Loop:
         row.drafter.commit(row.tokens, verdict)
         row.stats.record(*emitted_counts(verdict, len(new)), len(new))
         if row.policy:
-            row.policy.update(len(verdict.draft_tokens), verdict.accepted, now - row.clock)
+            row.policy.update(len(verdict.draft_tokens), verdict.accepted,
+                              None if row.clock is None else now - row.clock)
         if self.budget is not None and isinstance(row.policy, AdaptiveDraftLength):
             self.budget.observe(row, row.drafter.name, len(verdict.draft_tokens),
                                 verdict.accepted)

@@ -289,6 +289,28 @@ def test_adaptive_k_measures_its_neighbour():
     assert {policy.next_k() for _ in range(16)} == {best}
 
 
+def test_a_rows_first_step_is_not_timed(target):
+    """The first step after a prompt carries one-off work (a draft model prefilling the prompt):
+    timed, it made the K in use look several times slower, and the policy, kept from prompt to
+    prompt, drafted short (the Qwen2.5-Coder pair at T = 1: 0.79x of a fixed K = 4). Every later
+    step is timed."""
+    class Recording(AdaptiveDraftLength):
+        def update(self, drafted, accepted, seconds=None):
+            self.seconds.append(seconds)
+            super().update(drafted, accepted, seconds)
+
+    policy = Recording(4)
+    policy.seconds = []
+    for prompt in ([1, 2, 3, 4, 5], [7, 8, 9]):
+        start = len(policy.seconds)
+        list(speculative_tokens(MLXTarget(target, speculative=True), DraftModelDrafter(target),
+                                prompt, sampling=GREEDY, max_tokens=20, num_draft=4,
+                                stats=SpecStats(), adaptive=policy))
+        timed = policy.seconds[start:]
+        assert len(timed) > 2 and timed[0] is None
+        assert all(s is not None and s > 0 for s in timed[1:])
+
+
 def test_adaptive_policy_carries_over_between_generations(target):
     """The drafter keeps its adaptive-K policy across calls (greedy and sampled apart): what one
     prompt taught about acceptance is where the next starts."""
