@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
+from .acceptance import AcceptanceCurve
 from .sampling import SamplingConfig
 from .tree import TreeShape
 from .verify_budget import VerifyBudget, conditional_from_reach
@@ -330,7 +331,8 @@ class AdaptiveDraftLength:
     / time(K), so useless drafts stop costing verify work on any machine. When K = 0 wins, one
     draft is still tried every `probe_every` steps to notice when drafts become good again.
 
-    Acceptance is a discounted mean (`decay` 0.9: about the last ten steps at each position).
+    Acceptance is a discounted mean (`decay` 0.9: about the last ten steps at each position),
+    and a position not yet drafted is expected to do as the one before it (acceptance.py).
     With 0.7 (about three), an acceptance a little above the break-even point fell below it
     after two misses and the loop drafted nothing until the next probe: a weak drafter (τ 1.25
     at K = 1) ran at 0.89-0.95x of a fixed K = 1 (SmolLM2's EAGLE-3, this CPU); simulated at
@@ -364,11 +366,19 @@ class AdaptiveDraftLength:
         self.max_k, self.decay, self.probe_every = max_k, decay, probe_every
         self.prior_token_cost = prior_token_cost  # extra verify time per draft, x a plain step
         self.min_token_cost = min_token_cost  # verifying is never free, whatever timing noise says
-        # A middling prior: a few drafts at first, more as soon as they are accepted.
-        self.conditional = [0.6] * max_k
+        self.curve = AcceptanceCurve(max_k, decay)
         self.step_time: dict[int, float] = {}  # K -> running mean of step seconds
         self.step_count: dict[int, int] = {}  # K -> steps timed at it (the fit's weights)
         self.idle_steps = self.drafting_steps = 0
+
+    @property
+    def conditional(self) -> list[float]:
+        """The estimated P(draft i accepted | draft i-1 accepted) per position."""
+        return self.curve.estimates()
+
+    @conditional.setter
+    def conditional(self, values) -> None:
+        self.curve = AcceptanceCurve.fixed(values, self.decay)
 
     def _time_model(self) -> tuple[float, float, float]:
         """(plain step time, drafting step intercept, seconds per draft token)."""
@@ -441,10 +451,7 @@ class AdaptiveDraftLength:
         return expected
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        # Position i was "reached" if all before it were accepted; it counts only then.
-        for i in range(min(drafted, accepted + 1)):
-            hit = 1.0 if i < accepted else 0.0
-            self.conditional[i] = self.decay * self.conditional[i] + (1 - self.decay) * hit
+        self.curve.observe(drafted, accepted)
         if seconds is not None:
             old = self.step_time.get(drafted)
             self.step_time[drafted] = seconds if old is None else 0.7 * old + 0.3 * seconds

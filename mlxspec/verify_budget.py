@@ -22,6 +22,8 @@ to lose `1 / probe_share` times over (a probe that costs a third of a step waits
 
 import weakref
 
+from .acceptance import FIRST_PRIOR
+
 
 class VerifyBudget:
     """The batch's pass width each step, from measured (positions, drafting rows, seconds)
@@ -46,8 +48,12 @@ class VerifyBudget:
 
     def acceptance(self, row, drafter: str) -> list[float]:
         """`row`'s estimate per draft position: its own tries, with its drafter's estimate
-        (itself with the prior 0.6 as one try) counted as two more."""
-        pooled = [(h + 0.6) / (n + 1) for h, n in self._counts(self.pooled, drafter)]
+        counted as two more (itself with a prior as one try: FIRST_PRIOR at the first position,
+        the estimate of the position before at a deeper one, as acceptance.py says why)."""
+        pooled, prior = [], FIRST_PRIOR
+        for hits, tries in self._counts(self.pooled, drafter):
+            prior = (hits + prior) / (tries + 1)
+            pooled.append(prior)
         return [(h + 2 * p) / (n + 2) for (h, n), p in zip(self._counts(self.own, row), pooled)]
 
     def observe(self, row, drafter: str, drafted: int, accepted: int) -> None:

@@ -276,6 +276,24 @@ def test_adaptive_time_line_weighs_each_k_by_its_samples():
     assert slope_weighted < slope_equal and k_weighted >= 3 and k_equal == 1
 
 
+def test_adaptive_k_expects_an_untried_position_to_do_as_the_one_before():
+    """A drafter accepted in full at K = 3 for 40 steps: positions 4-8, never drafted, are
+    expected near position 3's estimate (a flat prior of 0.6 held them there and kept K at 3-4
+    where a fixed K = 8 ran 1.3x faster), so with drafts costing a tenth of a step K grows."""
+    policy = AdaptiveDraftLength(8)
+    policy.neighbour_margin = float("inf")
+    for _ in range(40):
+        policy.update(3, 3, 1.3)
+        policy.update(0, 0, 1.0)
+    estimates = policy.conditional
+    assert min(estimates[:3]) > 0.95
+    assert estimates[3:] == pytest.approx([estimates[2]] * 5)
+    assert policy.next_k() == 8
+    policy.update(8, 3, 1.8)  # position 4 rejected once: it and the untried ones after it drop
+    assert policy.conditional[3] < estimates[3] and policy.conditional[4:] == pytest.approx(
+        [policy.conditional[3]] * 4)
+
+
 def test_adaptive_k_measures_its_neighbour():
     """Where K + 1 is expected nearly as fast as the chosen K, every probe_every drafting
     steps K + 1 is run instead, so the line is measured there and not only extrapolated."""

@@ -10,6 +10,7 @@ K = 15 on the copy suite). So the policy keeps one curve per match-length bucket
 time model (a step's cost by K does not depend on where the drafts came from).
 """
 
+from ..acceptance import AcceptanceCurve
 from ..engine import EMPTY_DRAFT, AdaptiveDraftLength
 
 BUCKET_STARTS = (1, 2, 4, 8, 16)  # the shortest match length of each bucket
@@ -30,12 +31,12 @@ class MatchLengthDraftLength(AdaptiveDraftLength):
     def __init__(self, max_k: int, match_length, **options):
         super().__init__(max_k, **options)
         self.match_length = match_length
-        self.curves: dict[int, list[float]] = {}
+        self.curves: dict[int, AcceptanceCurve] = {}
 
     def next_k(self) -> int:
         bucket = bucket_of(self.match_length())
         # update() and expected_accepted() then read the curve chosen here
-        self.conditional = self.curves.setdefault(bucket, [0.6] * self.max_k)
+        self.curve = self.curves.setdefault(bucket, AcceptanceCurve(self.max_k, self.decay))
         return super().next_k()
 
 
