@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .backends import backend_for
 from .backends.mlx.target import stage_of
-from .engine import Drafter, Loop, Row, SpecStats, Start, draft_limit
+from .engine import Drafter, Loop, Row, SpecStats, Start, draft_limit, requested_drafts
 from .generate import _as_wrapper, check_prompt_cache, check_request, encode_prompt
 from .generation_lock import clear_streams_at_thread_exit, generation_lock
 from .request import Request, check_count
@@ -120,7 +120,7 @@ def request_row(drafter: Drafter, prompt: list[int], request: Request,
     drafting at most what the request asks and the drafter can propose."""
     drafter.check_batchable()
     fork = drafter.fork()
-    max_k = draft_limit(fork, request.num_draft or fork.default_num_draft)
+    max_k = draft_limit(fork, requested_drafts(fork, request.num_draft, request.adaptive))
     greedy = request.sampling.greedy
     policy = fork.draft_policy(max_k, greedy) if request.adaptive and max_k else None
     return Row(fork, list(prompt), request.sampling, request.max_tokens, max_k, policy,

@@ -190,6 +190,10 @@ class Drafter:
     # Target layers whose outputs the drafter conditions on (DFlash, EAGLE); empty for most.
     capture_layers: tuple[int, ...] = ()
     default_num_draft = 1
+    # The most drafts an adaptive K may try when the caller sets none (None: default_num_draft).
+    # A fixed default is a safe K; the adaptive K measures, so its ceiling must reach past it to
+    # find a better one (the Qwen2.5-Coder pair: best fixed K 8, the draft model's default 4).
+    adaptive_num_draft: int | None = None
     # Proposes trees: K is then a node budget, chosen by measured throughput (TreeBudget), not
     # by the chain model of acceptance by position, which a tree's nodes do not follow.
     drafts_trees = False
@@ -497,6 +501,16 @@ class TreeBudget:
             return
         rate, old = (accepted + 1) / seconds, self.rate.get(self.current)
         self.rate[self.current] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+
+def requested_drafts(drafter: Drafter, num_draft: int | None, adaptive: bool) -> int:
+    """The drafts per step a caller asked for, or else the drafter's default: an adaptive K's
+    ceiling (adaptive_num_draft) when K adapts, its fixed default when not."""
+    if num_draft:
+        return num_draft
+    if adaptive and drafter.adaptive_num_draft is not None:
+        return drafter.adaptive_num_draft
+    return drafter.default_num_draft
 
 
 def draft_limit(drafter: Drafter, num_draft: int) -> int:

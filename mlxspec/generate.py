@@ -11,7 +11,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .backends import Backend, backend_for
 from .backends.mlx.target import PromptCache
 from .distributed import follow_generation, leading
-from .engine import Drafter, SpecStats, draft_limit, speculative_tokens
+from .engine import Drafter, SpecStats, draft_limit, requested_drafts, speculative_tokens
 from .generation_lock import one_generation_per_model
 from .request import Request
 from .sampling import SamplingConfig, is_integer
@@ -227,7 +227,7 @@ def open_session(make_target, *, model, tokenizer, drafter, request: Request, pr
     from .drafters import resolve_drafter
 
     drafter = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
-    num_draft = request.num_draft or drafter.default_num_draft
+    num_draft = requested_drafts(drafter, request.num_draft, request.adaptive)
     # What a step can verify: --num-draft 1000 with a 16-token DFlash block drafts up to 15.
     max_draft = draft_limit(drafter, num_draft)
     layers = drafter.capture_layers

@@ -140,6 +140,25 @@ def test_effective_drafts_per_step_reported(tiny, tmp_path):
     assert plain.num_draft == 0
 
 
+def test_an_adaptive_k_may_draft_past_the_fixed_default(tiny):
+    """A draft model's fixed default is 4 drafts a step; an adaptive K with no num_draft may try
+    up to 12 (its best K can be 8: the Qwen2.5-Coder pair), and an asked num_draft is kept."""
+    from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter
+    from mlxspec.engine import requested_drafts
+
+    model, tokenizer = tiny
+    drafter = DraftModelDrafter(model)
+    assert requested_drafts(drafter, None, adaptive=False) == 4
+    assert requested_drafts(drafter, None, adaptive=True) == 12
+    assert requested_drafts(drafter, 6, adaptive=True) == 6
+    assert requested_drafts(LookupFirstDrafter(drafter), None, adaptive=True) == 12
+    runs = {adaptive: list(mlxspec.stream_generate(model, tokenizer, [1, 2, 3], 4,
+                                                   drafter=DraftModelDrafter(model),
+                                                   adaptive=adaptive))[-1]
+            for adaptive in (False, True)}
+    assert (runs[False].num_draft, runs[True].num_draft) == (4, 12)
+
+
 class NoTokenising:
     """A tokenizer whose vocabulary may be read but which must not render or tokenise."""
 

@@ -61,6 +61,7 @@ class DraftModelDrafting(Drafter):
 
     name = "draft"
     default_num_draft = 4
+    adaptive_num_draft = 12  # a close draft model's best K can be 8 or more (engine.Drafter)
     xp = None  # the backend's array primitives: MLXArrays, or the torch backend's
 
     def __init__(self, model, window: int | None = None):

@@ -13,7 +13,7 @@ Each source keeps its own adaptive-K policy: their acceptance by position and th
 differ (a copy step drafts for nothing), and one policy fitted to both would suit neither.
 """
 
-from ..engine import Draft, Drafter, Verdict
+from ..engine import Draft, Drafter, Verdict, requested_drafts
 from ..sampling import SamplingConfig
 from .lookup import PromptLookupDrafter
 
@@ -28,6 +28,8 @@ class CopyFirstDrafter(Drafter):
         self.name = f"{model_drafter.name}+{self.copier.name}"
         self.capture_layers = model_drafter.capture_layers
         self.default_num_draft = max(model_drafter.default_num_draft, self.copier.default_num_draft)
+        self.adaptive_num_draft = max(requested_drafts(d, None, adaptive=True)
+                                      for d in (model_drafter, self.copier))
         self.max_draft = max(model_drafter.max_draft, self.copier.max_draft)
         self.drafts_trees = model_drafter.drafts_trees or self.copier.drafts_trees
         self.batch_refusal = model_drafter.batch_refusal

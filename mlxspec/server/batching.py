@@ -239,7 +239,7 @@ class BatchWorker(Worker):
                 row.start = kept_start(kept, cached, layers)
                 row.on_leave = lambda left, row=row, n=len(request.prompt): \
                     self._keep(row, n, *left)
-            num_draft = generation.num_draft or row.drafter.default_num_draft
+            num_draft = row.max_k
             reply = RowReply(job, row, self.tokenizer, self.eos, num_draft,
                              lambda: self.parts.peak_memory_gb(self.model), cached)
         except Exception as err:  # noqa: BLE001  (this request's failure only)
