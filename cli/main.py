@@ -51,7 +51,8 @@ def decoding_options(f):
                                       for k in registry.model_drafters()) + "."),
         *_drafter_option_flags(),
         click.option("--num-draft", "-k", type=int, default=None,
-                     help="Drafts per step (default: the drafter's own)."),
+                     help="The most drafts per step (default: the drafter's own; with an "
+                          "adaptive K it may be higher, e.g. 12 for a draft model, not 4)."),
         click.option("--adaptive/--fixed-k", default=True, show_default=True,
                      help="Draft fewer than --num-draft while live acceptance is low."),
         click.option("--max-tokens", "-n", type=int, default=256, show_default=True),
