@@ -43,15 +43,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+")
     args = parser.parse_args()
-    print("| suite | T | drafter | plain tok/s | adaptive tok/s (τ, step cost) | best fixed | its tok/s "
-          "(τ, step cost) | adaptive / best [95%] | fixed K tok/s |")
+    print("| suite | T | drafter | plain tok/s | adaptive tok/s (τ, step cost) | best fixed | "
+          "its tok/s (τ, step cost) | adaptive / best [95%] | fixed K tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for path in args.reports:
         for r in rows(json.load(open(path))):
             low, high = r["interval"] or (float("nan"), float("nan"))
             fixed = ", ".join(f"{k.split('@')[1]}: {v}" for k, v in r["fixed"].items())
-            print(f"| {r['suite']} | {r['temp']:g} | {r['drafter']} | {r['plain']:.1f} | {r['adaptive']:.1f} "
-                  f"({r['adaptive_tau']:.2f}, {r['adaptive_cost']:.2f}) | {r['best']} | "
+            print(f"| {r['suite']} | {r['temp']:g} | {r['drafter']} | {r['plain']:.1f} | "
+                  f"{r['adaptive']:.1f} ({r['adaptive_tau']:.2f}, {r['adaptive_cost']:.2f}) | "
+                  f"{r['best']} | "
                   f"{r['best_tps']:.1f} ({r['best_tau']:.2f}, {r['best_cost']:.2f}) | "
                   f"{r['ratio']:.2f}x [{low:.2f}, {high:.2f}] | {fixed} |")
 

@@ -49,12 +49,12 @@ class RowReply:
     streaming detokenizer on each access of `tokenizer.detokenizer`), and those become Deltas
     and an Outcome exactly as in Worker._generate."""
 
-    def __init__(self, job: Job, row: Row, tokenizer, eos: frozenset, num_draft: int,
-                 peak_memory_gb, cached: int = 0):
+    def __init__(self, job: Job, row: Row, tokenizer, eos: frozenset, peak_memory_gb,
+                 cached: int = 0):
         self.job, self.row, self.eos, self.cached = job, row, eos, cached
         self.answer = Answer(job.request, tokenizer)
         self.detokenizer = tokenizer.detokenizer
-        session = Session(row.drafter, num_draft, row.max_k, target=None, kept=None)
+        session = Session(row.drafter, row.max_k, row.max_k, target=None, kept=None)
         self.respond = Responses(self.detokenizer, len(row.tokens), row.stats, session,
                                  peak_memory_gb)
         self.start = time.perf_counter()
@@ -239,8 +239,7 @@ class BatchWorker(Worker):
                 row.start = kept_start(kept, cached, layers)
                 row.on_leave = lambda left, row=row, n=len(request.prompt): \
                     self._keep(row, n, *left)
-            num_draft = row.max_k
-            reply = RowReply(job, row, self.tokenizer, self.eos, num_draft,
+            reply = RowReply(job, row, self.tokenizer, self.eos,
                              lambda: self.parts.peak_memory_gb(self.model), cached)
         except Exception as err:  # noqa: BLE001  (this request's failure only)
             job.emit("error", f"{type(err).__name__}: {err}")
