@@ -147,6 +147,7 @@ def test_context_cache_equals_fresh_build(target, drafter_dir):
     assert stats.accepted > 0  # some steps committed several positions at once
     committed = prompt + out
     assert drafter.context_length == len(committed) - 1
+    drafter._rewind(len(committed) - 1)  # as the next proposal does: deferred features run
 
     fresh_features = MLXTarget(target, capture_layers=drafter.capture_layers).prefill(committed)
     fresh = drafter.model.make_cache()
@@ -155,6 +156,27 @@ def test_context_cache_equals_fresh_build(target, drafter_dir):
         for a, b in zip(ours.keys_and_values(), theirs.keys_and_values()):
             assert a.shape == b.shape
             assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_plain_steps_features_join_the_context_at_the_next_draft_in_one_pass(target,
+                                                                              drafter_dir):
+    """Steps that draft nothing leave the drafter idle: their features are projected into the
+    context when it next drafts, in one pass, and draft what projecting each at once drafts."""
+    sequence = PROMPTS[2]
+    drafter = load_dflash_drafter(drafter_dir, model=target)
+    features = MLXTarget(target, capture_layers=drafter.capture_layers).prefill(sequence)
+    passes = []
+    append = drafter.model.append_context
+    drafter.model.append_context = lambda f, cache: passes.append(f.shape[0]) or append(f, cache)
+    drafter.begin(sequence[:4], features[:3])
+    for i in range(4, len(sequence)):  # one plain step per token
+        drafter.commit(sequence[: i + 1], Verdict([], 0, sequence[i], features=features[i - 1 : i]))
+    assert passes == [3] and drafter.context_length == len(sequence) - 1  # nothing ran yet
+    ours = drafter.block_logits(sequence, 4)
+    assert passes == [3, len(sequence) - 4]
+    fresh = load_dflash_drafter(drafter_dir, model=target)
+    fresh.begin(sequence, features)
+    assert mx.allclose(ours, fresh.block_logits(sequence, 4), atol=1e-4).item()
 
 
 @pytest.mark.parametrize("block_size", [None, 3])

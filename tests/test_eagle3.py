@@ -134,6 +134,7 @@ def test_logits_equal_mlx_vlm_step_by_step(name, target, mlx_vlm_tensors, inputs
                               features=verdict_features[r][: a + 1])
             tokens = tokens + verdict.committed
             drafter.commit(tokens, verdict)
+            drafter._flush()  # committed pairs run when the drafter next drafts; now, to compare
             assert close(drafter._hidden[-1], ref[f"{name}.committed{r + 1}.hidden"]), r
 
 
@@ -302,11 +303,34 @@ def test_cache_after_generation_equals_fresh_build(llama, llama_drafter_dir):
     fresh_features = MLXTarget(llama, capture_layers=drafter.capture_layers).prefill(committed)
     fresh = load_eagle3_drafter(llama_drafter_dir, model=llama)
     fresh.begin(committed, fresh_features)
-    drafter._trim_chain()
+    drafter._rewind(len(committed) - 1)  # as the next proposal does: deferred pairs run
     for ours, theirs in zip(drafter.cache[0].keys_and_values(), fresh.cache[0].keys_and_values()):
         assert ours.shape == theirs.shape
         assert mx.allclose(ours, theirs, atol=1e-4).item()
     assert mx.allclose(drafter._hidden[-1][-1], fresh._hidden[-1][-1], atol=1e-4).item()
+
+
+def test_plain_steps_pairs_run_at_the_next_draft_in_one_pass(llama, llama_drafter_dir):
+    """Steps that draft nothing (an adaptive K at 0) leave the drafter idle: their pairs run
+    when it next drafts, in one pass, and draft what running each at once drafts."""
+    sequence = PROMPTS[2]
+    drafter = load_eagle3_drafter(llama_drafter_dir, model=llama)
+    features = MLXTarget(llama, capture_layers=drafter.capture_layers).prefill(sequence)
+    passes = []
+    extend = drafter._extend
+    drafter._extend = lambda ids, f: passes.append(ids.shape[1]) or extend(ids, f)
+    drafter.begin(sequence[:4], features[:3])
+    for i in range(4, len(sequence)):  # one plain step per token: no draft, one pair each
+        drafter.commit(sequence[: i + 1], Verdict([], 0, sequence[i], features=features[i - 1 : i]))
+    assert passes == [3] and drafter.context_length == len(sequence) - 1  # nothing ran yet
+    ours = mx.stack(drafter.chain_logits(sequence, 3))
+    assert passes == [3, len(sequence) - 4]  # the plain steps' pairs, in one pass
+    fresh = load_eagle3_drafter(llama_drafter_dir, model=llama)
+    fresh.begin(sequence, features)
+    assert mx.allclose(ours, mx.stack(fresh.chain_logits(sequence, 3)), atol=1e-4).item()
+    for _ in range(drafter.deferred_limit):  # a long run of them pays as it goes
+        drafter.commit(sequence, Verdict([], 0, sequence[-1], features=features[-1:]))
+    assert passes[-1] == drafter.deferred_limit and not drafter._deferred
 
 
 def test_rolled_back_tokens_trim_the_context(llama, llama_drafter_dir):

@@ -163,6 +163,7 @@ def test_draft_cache_after_a_tree_step_holds_the_committed_pairs_only(llama, dra
     assert drafter.cache[0].offset == len(tokens) - 1 + 5 * 3  # depths 1..5 went through
     features = MLXTarget(llama, capture_layers=drafter.capture_layers).prefill(committed)
     drafter.commit(committed, _verdict(committed, len(tokens), features))
+    drafter._rewind(len(committed) - 1)  # as the next proposal does: the commit's pairs run
     fresh = begun(drafter_dir, llama, committed)
     assert drafter.cache[0].offset == fresh.cache[0].offset == len(committed) - 1
     for ours, theirs in zip(drafter.cache[0].keys_and_values(), fresh.cache[0].keys_and_values()):

@@ -227,6 +227,8 @@ def test_draft_cache_after_a_step_holds_the_committed_pairs_only(twins12, option
     new = committed[len(tokens):]
     drafter.commit(committed, Verdict(new[:-1], len(new) - 1, new[-1],
                                       features=features[len(tokens) - 1:]))
+    with torch.inference_mode():  # as the next proposal does: the commit's pairs run
+        drafter._rewind(len(committed) - 1)
     fresh = mlxspec.load_drafter("eagle3", path, model=twin, tokenizer=None)
     fresh.begin(committed, features)
     assert drafter.cache.get_seq_length() == fresh.cache.get_seq_length() == len(committed) - 1

@@ -69,6 +69,7 @@ class DFlashDrafting(Drafter):
             raise ValueError("the drafter captures the target's last layer: pass its final_norm")
         self.final_norm = final_norm
         self.cache = model.make_cache()
+        self._deferred: list = []  # features committed, not yet in the context (_flush)
 
     # ---- the backend's tensor math ----
 
@@ -82,6 +83,10 @@ class DFlashDrafting(Drafter):
 
     def _concat(self, parts):
         """Feature slices (n, H) each -> (n, parts * H)."""
+        raise NotImplementedError
+
+    def _rows(self, parts):
+        """Feature rows (n_i, F) each -> (sum n_i, F)."""
         raise NotImplementedError
 
     def _in_head_dtype(self, hidden):
@@ -101,28 +106,47 @@ class DFlashDrafting(Drafter):
 
     @property
     def context_length(self) -> int:
-        """Committed positions whose context K/V are cached."""
-        return self.cache[0].offset
+        """Committed positions whose context K/V are cached or deferred."""
+        return self.cache[0].offset + sum(f.shape[0] for f in self._deferred)
+
+    # Features committed since the drafter last drafted, projected into the context in one
+    # pass when it next does (_flush), as drafters.paired defers its pairs: a step that drafts
+    # nothing costs the drafter nothing, and the step after pays one projection, not one per
+    # such step.
+    deferred_limit = 32
 
     def begin(self, prompt, features=None):
         self.cache = self.model.make_cache()
-        self._append(features)
+        self._deferred = []
+        if self._checked(features):
+            self._append(features)
 
-    def _append(self, features) -> None:
+    def _checked(self, features) -> bool:
+        """Whether `features` hold a position, after checking their shape (a mismatch is the
+        caller's error, raised when committed, not when next drafted)."""
         if features is None:
             raise ValueError(
                 "the DFlash drafter needs target hidden states: build the target with "
                 "capture_layers=drafter.capture_layers"
             )
         if features.shape[0] == 0:  # a one-token prompt has no context yet
-            return
+            return False
         width = len(self.capture_layers) * self.args.hidden_size
         if features.ndim != 2 or features.shape[1] != width:
             raise ValueError(
                 f"target features have shape {tuple(features.shape)}; the DFlash drafter expects "
                 f"(positions, {width}) from layers {list(self.capture_layers)}"
             )
+        return True
+
+    def _append(self, features) -> None:
         self.model.append_context(self._as_reference(features), self.cache)
+
+    def _flush(self) -> None:
+        """Project the deferred features into the context, all in one pass."""
+        if self._deferred:
+            parts, self._deferred = self._deferred, []
+            self._append(parts[0] if len(parts) == 1 else self._rows(parts))
 
     def _as_reference(self, features):
         """Apply the target's final norm to the last layer's slice, as transformers does."""
@@ -136,6 +160,7 @@ class DFlashDrafting(Drafter):
 
     def _rewind(self, num_context: int) -> None:
         """Keep exactly `num_context` cached positions (a caller may have rolled back)."""
+        self._flush()
         excess = self.context_length - num_context
         if excess < 0:
             raise ValueError(
@@ -183,7 +208,10 @@ class DFlashDrafting(Drafter):
         return Draft(tokens=drafts, parents=shape.parents)
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
-        self._append(verdict.features)
+        if self._checked(verdict.features):
+            self._deferred.append(verdict.features)
+        if len(self._deferred) >= self.deferred_limit:
+            self._flush()  # a long run of plain steps pays as it goes, not in one drafting step
 
 
 class DFlashDrafter(DFlashDrafting):
@@ -220,6 +248,9 @@ class DFlashDrafter(DFlashDrafting):
 
     def _concat(self, parts) -> mx.array:
         return mx.concatenate(parts, axis=-1)
+
+    def _rows(self, parts) -> mx.array:
+        return mx.concatenate(parts, axis=0)
 
     def _in_head_dtype(self, hidden: mx.array) -> mx.array:
         return hidden.astype(dtype_of(self.lm_head))

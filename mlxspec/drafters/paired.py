@@ -41,6 +41,7 @@ class PairedDrafting(Drafter):
     length and cut, one draw from a step's logits, and a node's best children."""
 
     xp = None  # the backend's array primitives: MLXArrays, or the torch backend's
+    deferred_limit = 32  # verdicts kept deferred at most (_deferred)
 
     def __init__(self, model, *, capture_layers, feature_width: int, target_vocab: int,
                  default_num_draft: int, hot_ids=None, draft_rows: int | None = None,
@@ -61,6 +62,11 @@ class PairedDrafting(Drafter):
         self.cache = model.make_cache()
         self._hidden: list = []  # the layer's outputs per committed pair, in chunks
         self._committed = 0  # pairs in the cache (the cache may hold chain steps beyond)
+        # Pairs committed since the drafter last drafted, run into the cache in one pass when it
+        # next does (_flush): steps that draft nothing (an adaptive K at 0) cost it nothing, and
+        # the step after pays one pass, not one per such step (lazily queued, they ran one by
+        # one there, so a drafting step looked dearer by the plain steps before it).
+        self._deferred: list[tuple[list[int], object]] = []
 
     # ---- the backend's tensor math ----
 
@@ -86,23 +92,26 @@ class PairedDrafting(Drafter):
 
     @property
     def context_length(self) -> int:
-        """Committed positions whose pairs are cached (all committed tokens but the pending)."""
-        return self._committed
+        """Committed positions whose pairs are cached or deferred (all committed tokens but the
+        pending)."""
+        return self._committed + sum(len(tokens) for tokens, _ in self._deferred)
 
     def begin(self, prompt, features=None):
         self.cache = self.model.make_cache()
-        self._hidden, self._committed = [], 0
-        self._append(list(prompt[1:]), features)
+        self._hidden, self._committed, self._deferred = [], 0, []
+        if self._checked(list(prompt[1:]), features):
+            self._append(list(prompt[1:]), features)
 
-    def _append(self, tokens: list[int], features) -> None:
-        """Pairs (tokens[j], features[j]): the token that follows each featured position."""
+    def _checked(self, tokens: list[int], features) -> bool:
+        """Whether (tokens, features) hold a pair, after checking they match; a mismatch is the
+        caller's error, raised when committed, not when next drafted."""
         if features is None:
             raise ValueError(
                 f"the {self.name} drafter needs target hidden states: build the target with "
                 "capture_layers=drafter.capture_layers"
             )
         if features.shape[0] == 0:  # a one-token prompt has no pair yet
-            return
+            return False
         width = self.feature_width
         if features.ndim != 2 or features.shape[1] != width:
             raise ValueError(
@@ -111,6 +120,11 @@ class PairedDrafting(Drafter):
             )
         if features.shape[0] != len(tokens):
             raise ValueError(f"{features.shape[0]} feature rows for {len(tokens)} tokens")
+        return True
+
+    def _append(self, tokens: list[int], features) -> None:
+        """Run pairs (tokens[j], features[j]), the token that follows each featured position,
+        into the cache."""
         self._trim_chain()
         self._hidden.append(self._extend(self.xp.ids(tokens), features[None])[0])
         self._committed += len(tokens)
@@ -132,6 +146,7 @@ class PairedDrafting(Drafter):
 
     def _rewind(self, num_pairs: int) -> None:
         """Keep exactly `num_pairs` committed pairs (a caller may have rolled back)."""
+        self._flush()
         if num_pairs > self._committed:
             raise ValueError(
                 f"the {self.name} context holds {self._committed} positions but {num_pairs} tokens "
@@ -149,6 +164,15 @@ class PairedDrafting(Drafter):
                     kept.append(chunk)
                 total += chunk.shape[0]
             self._hidden, self._committed = kept, num_pairs
+
+    def _flush(self) -> None:
+        """Run the deferred pairs into the cache, all in one pass."""
+        if not self._deferred:
+            return
+        pairs, self._deferred = self._deferred, []
+        tokens = [t for chunk, _ in pairs for t in chunk]
+        features = pairs[0][1] if len(pairs) == 1 else self.xp.cat([f for _, f in pairs])
+        self._append(tokens, features)
 
     def _last_output(self):
         """(1, H): the last committed pair's output, which ranks the pending token's successor."""
@@ -245,8 +269,10 @@ class PairedDrafting(Drafter):
         return host[0], host[1], candidate_parents(width, host[2:])
 
     def commit(self, tokens: list[int], verdict: Verdict) -> None:
-        self._trim_chain()
-        self._append(verdict.committed, verdict.features)
+        if self._checked(verdict.committed, verdict.features):
+            self._deferred.append((list(verdict.committed), verdict.features))
+        if len(self._deferred) >= self.deferred_limit:
+            self._flush()  # a long run of plain steps pays as it goes, not in one drafting step
 
 
 class MLXArrays:

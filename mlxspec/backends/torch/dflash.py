@@ -277,6 +277,9 @@ class TorchDFlashDrafter(DFlashDrafting):
     def _concat(self, parts) -> torch.Tensor:
         return torch.cat(parts, dim=-1)
 
+    def _rows(self, parts) -> torch.Tensor:
+        return torch.cat(parts, dim=0)
+
     def _in_head_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.to(self.lm_head.weight.dtype)
 
