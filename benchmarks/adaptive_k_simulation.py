@@ -1,4 +1,4 @@
-"""AdaptiveDraftLength on simulated steps, two scenarios.
+"""AdaptiveDraftLength on simulated steps, three scenarios.
 
 1. Near break-even (`probe_margin`): throughput against a fixed K = 1 and plain decoding, by
    first-draft acceptance p and the cost of a K = 1 step (in plain steps). Later drafts are
@@ -8,6 +8,10 @@
    `neighbour_margin`): adaptive over the best fixed K of 0..14, by per-position acceptance p
    and the cost of one more draft (in plain steps; a drafting step costs 0.15 more than a plain
    one), with lognormal step-time noise; 300 steps (a short answer) and 2,000, mean of 20 seeds.
+
+3. Probes while drafting nothing (`probe_share`): adaptive over the better of plain decoding
+   and a fixed K = 1, by p and the K = 1 step's cost, against probing every 8th plain step
+   whatever a probe costs (the rule before); 3,000 steps, mean of 10 seeds.
 
     python benchmarks/adaptive_k_simulation.py
 """
@@ -82,10 +86,35 @@ def best_k_table(seeds: int = 20) -> None:
                       + " | ".join(f"{r / fixed[best]:.3f}" for r in runs) + " |")
 
 
+class EveryEighthProbe(AdaptiveDraftLength):
+    """The rule before probe_share: drafting nothing, a probe every 8th step, whatever it
+    costs."""
+
+    def _probe_due(self, loss: float) -> bool:
+        return self.idle_steps >= 8
+
+
+def probe_table(seeds: int = 10) -> None:
+    print("| p | K = 1 step cost | fixed K = 1 / plain | probe every 8th step | probe_share 0.02 |")
+    print("|---|---|---|---|---|")
+    for p, cost in ((0.31, 1.24), (0.31, 1.34), (0.2, 1.24), (0.1, 1.2), (0.05, 1.5),
+                    (0.02, 2.0)):
+        best = max(1.0, (1 + p) / cost)
+
+        def mean(policy_class):
+            return sum(run(policy_class(8), 3000, s, lambda i: p if i == 0 else 0.1,
+                           lambda k, rng: (1.0 if k == 0 else cost + 0.1 * (k - 1))
+                           * rng.uniform(0.9, 1.1)) for s in range(seeds)) / seeds
+        print(f"| {p} | {cost} | {(1 + p) / cost:.3f} | {mean(EveryEighthProbe) / best:.3f} | "
+              f"{mean(AdaptiveDraftLength) / best:.3f} |")
+
+
 def main() -> None:
     margin_table()
     print()
     best_k_table()
+    print()
+    probe_table()
 
 
 if __name__ == "__main__":

@@ -333,7 +333,12 @@ class AdaptiveDraftLength:
     time of a step as a function of K (a line through per-K averages; on a CPU verifying 9 tokens
     costs far more than 1, on a GPU nearly the same). K = argmax (1 + sum of reach probabilities)
     / time(K), so useless drafts stop costing verify work on any machine. When K = 0 wins, one
-    draft is still tried every `probe_every` steps to notice when drafts become good again.
+    draft is still tried now and then to notice when drafts become good again: once the plain
+    steps since the last probe outnumber what a probe is expected to lose (in plain steps'
+    tokens) 1 / `probe_share` times over, as VerifyBudget probes a batch. A probe near
+    break-even comes within a few steps, a dear one rarely. Every 8 steps whatever it cost,
+    where drafting loses badly (p = 0.02, a K = 1 step 2 plain steps) it ran 0.88x of plain
+    decoding, simulated; 0.96x so (benchmarks/adaptive_k_simulation.py, probe table).
 
     Acceptance is a discounted mean (`decay` 0.9: about the last ten steps at each position),
     and a position not yet drafted is expected to do as the one before it (acceptance.py).
@@ -362,6 +367,7 @@ class AdaptiveDraftLength:
 
     reads_tokens = False  # next_k() needs only this object's state, not the latest tokens
     probe_margin = 0.95
+    probe_share = 0.02  # the most of the plain steps' time probes may lose
     neighbour_margin = 0.9
     fit_weight_cap = 8
 
@@ -422,7 +428,7 @@ class AdaptiveDraftLength:
             best_k = 1  # within the margin of break-even: drafting costs little, and teaches
         if best_k == 0:
             self.idle_steps += 1
-            if self.idle_steps >= self.probe_every:
+            if self._probe_due(expected[1] * (speeds[0] / speeds[1] - 1.0)):
                 self.idle_steps, best_k = 0, 1
         elif best_k < self.max_k:
             self.drafting_steps += 1
@@ -433,6 +439,12 @@ class AdaptiveDraftLength:
         return best_k
 
     last_k = 1  # the K last chosen
+
+    def _probe_due(self, loss: float) -> bool:
+        """Whether to probe K = 1 now, drafting nothing: `loss` is what the probe is expected
+        to lose, in plain steps' tokens, and the plain steps since the last one must outnumber
+        it 1 / probe_share times over."""
+        return loss <= self.probe_share * self.idle_steps
 
     def cut(self, draft: Draft) -> Draft:
         """The part of a proposed draft the step verifies: all of it, its K chosen before (a

@@ -249,13 +249,24 @@ def test_adaptive_k_keeps_drafting_near_break_even():
     """A K = 1 step costing 1.24 plain steps breaks even at a first-draft acceptance of 0.24.
     Estimated at 0.22, drafting is within 5% of not drafting: it drafts one (cheap, and it keeps
     the estimate up to date, where drafting nothing would leave it stale until the next probe).
-    Estimated at 0.05, it drafts nothing but every 8th step. (Drafting, every 8th step it
-    measures K = 2, expected within 10% of K = 1.)"""
-    for estimate, drafts in ((0.22, ([1] * 7 + [2]) * 2), (0.05, [0] * 7 + [1] + [0] * 7 + [1])):
-        policy = AdaptiveDraftLength(4)
-        policy.step_time = {0: 1.0, 1: 1.24, 2: 1.34}
-        policy.conditional = [estimate, 0.0, 0.0, 0.0]
-        assert [policy.next_k() for _ in range(16)] == drafts
+    (Drafting, every 8th step it measures K = 2, expected within 10% of K = 1.)"""
+    policy = AdaptiveDraftLength(4)
+    policy.step_time = {0: 1.0, 1: 1.24, 2: 1.34}
+    policy.conditional = [0.22, 0.0, 0.0, 0.0]
+    assert [policy.next_k() for _ in range(16)] == ([1] * 7 + [2]) * 2
+
+
+@pytest.mark.parametrize("cost, every", [(1.24, 10), (2.0, 48)])
+def test_adaptive_k_probes_as_often_as_a_probe_is_cheap(cost, every):
+    """Drafting nothing, it probes K = 1 once the plain steps since the last probe outnumber
+    what a probe is expected to lose (in plain steps' tokens) 1 / probe_share times over:
+    estimated at 0.05, a K = 1 step costing 1.24 plain steps loses 0.19 of a step (a probe
+    every 10 steps), one costing 2 loses 0.95 (every 48), so probes cost at most 2% either way."""
+    policy = AdaptiveDraftLength(4)
+    policy.step_time = {0: 1.0, 1: cost}
+    policy.conditional = [0.05, 0.0, 0.0, 0.0]
+    ks = [policy.next_k() for _ in range(2 * every)]
+    assert ks == ([0] * (every - 1) + [1]) * 2
 
 
 def test_adaptive_time_line_weighs_each_k_by_its_samples():
