@@ -238,9 +238,6 @@ def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter
     _check_kv_bits(kv_bits, backend)
     if prompts_file is not None:
         _check_batch(backend)
-        if kv_bits is not None:
-            raise click.BadParameter("a batch keeps its cache in the model's dtype: use it "
-                                     "with --prompt", param_hint="--kv-bits")
         if prompt_cache_file is not None:
             raise click.BadParameter("holds one prompt's cache: use it with --prompt",
                                      param_hint="--prompt-cache-file")
@@ -315,7 +312,8 @@ def _generate_batch(target, tokenizer, spec, prompts, request, system, no_chat_t
         out = mlxspec.batch_generate(
             target, tokenizer, texts, request.max_tokens, drafter=spec,
             num_draft=request.num_draft, adaptive=request.adaptive, temp=sampling.temp,
-            top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p, seed=sampling.seed)
+            top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p, seed=sampling.seed,
+            kv_bits=request.kv_bits, kv_group_size=request.kv_group_size)
     except ValueError as err:
         _fail(err)
     for i, (text, ids, reason) in enumerate(zip(out.texts, out.token_ids, out.finish_reasons)):

@@ -38,8 +38,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
                    *, drafter=None, num_draft: int | None = None, adaptive: bool = True,
                    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                    seed: int | None = None, overlap: bool = True,
-                   prompt_caches: "Sequence | None" = None,
-                   verbose: bool = False) -> BatchResponse:
+                   prompt_caches: "Sequence | None" = None, kv_bits: int | None = None,
+                   kv_group_size: int = 64, verbose: bool = False) -> BatchResponse:
     """Generate a continuation of every prompt (strings or token ids, used as given) together.
 
     Each prompt is a row: the rows' [pending, drafts] go through the target in one batched pass
@@ -52,6 +52,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     from the longest prefix of its prompt its cache holds and prefills only the rest, and the
     cache holds the row's prompt and reply afterwards (a conversation's next turn reuses it);
     with a drafter that reads target features (DFlash, EAGLE-3), its prompt and their features.
+    `kv_bits`, `kv_group_size`: every row's keys and values are kept quantized, as
+    stream_generate's (each row's output is then that prompt's alone with the same kv_bits).
     """
     parts = backend_for(model)
     refusal = model_refusal(model)
@@ -62,8 +64,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
         raise ValueError("no prompts")
     budgets = _budgets(max_tokens, len(prompts))
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    requests = [Request(n, sampling, num_draft=num_draft, adaptive=adaptive, overlap=overlap)
-                for n in budgets]
+    requests = [Request(n, sampling, num_draft=num_draft, adaptive=adaptive, overlap=overlap,
+                        kv_bits=kv_bits, kv_group_size=kv_group_size) for n in budgets]
     caches = _prompt_caches(parts, prompt_caches, len(prompts))
     tokenizer = _as_wrapper(tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
@@ -74,7 +76,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
 
     prototype = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
     prototype.check_batchable()  # before the batch target is even built
-    target = parts.batch_target(model, capture_layers=prototype.capture_layers)
+    target = parts.batch_target(model, capture_layers=prototype.capture_layers,
+                                kv_bits=kv_bits, kv_group_size=kv_group_size)
     if seed is not None:
         parts.seed(seed)
     eos = frozenset(tokenizer.eos_token_ids)

@@ -400,6 +400,13 @@ def test_cli_prompts_file_equals_each_prompt_alone(tmp_path, smollm_dir):
         single = ok(invoke("generate", "--prompt", prompt, "--drafter", "lookup", "-n", "16"))
         assert single.stdout[:-1] == line["text"]
         assert line["finish_reason"] in ("stop", "length")
+    quantized = ["--kv-bits", "4", "--kv-group-size", "32"]  # every row's cache quantized
+    out = ok(invoke("generate", "--prompts", str(path), "--drafter", "lookup", "-n", "16",
+                    *quantized))
+    for prompt, line in zip(prompts, map(json.loads, out.stdout.splitlines())):
+        single = ok(invoke("generate", "--prompt", prompt, "--drafter", "lookup", "-n", "16",
+                           *quantized))
+        assert single.stdout[:-1] == line["text"]
 
 
 class FixedDrafts(Drafter):

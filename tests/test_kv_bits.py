@@ -126,12 +126,86 @@ def test_cli_kv_bits_with_a_drafter_is_the_plain_text_with_kv_bits():
                        "must be one of")
 
 
+def each_alone(model, tokenizer, prompts, n, drafter=None, **options):
+    outputs = []
+    for prompt in prompts:
+        tokens = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, n,
+                                                           drafter=drafter, **options)]
+        outputs.append(tokens[:-1] if tokens and tokens[-1] in tokenizer.eos_token_ids
+                       else tokens)
+    return outputs
+
+
+BATCH_PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [5] * 11, [3], [9, 4, 9, 4, 9, 4, 2]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_a_batch_with_kv_bits_gives_each_prompt_its_quantized_output_alone(kind):
+    """batch_generate(kv_bits=...): every row's attention cache quantized as a lone
+    sequence's (its prompt prefilled at full precision, then each position quantized as it is
+    written, rows rolled back by different amounts), so each row's greedy tokens are that
+    prompt's alone with the same kv_bits: drafts planted wrong at changing positions, and
+    lookup with its adaptive K; a hybrid target's recurrent layers as they are."""
+    from test_api_hardening import tiny_tokenizer
+    from test_batch import Planted
+
+    from mlxspec.backends.mlx.ragged_cache import RaggedQuantizedKVCache
+
+    model = (tiny_llama(vocab=VOCAB, hidden=128, seed=2, sharpness=8.0) if kind == "llama"
+             else tiny_qwen3_next(vocab=VOCAB, seed=2, head_dim=32, num_attention_heads=2))
+    tokenizer = tiny_tokenizer(VOCAB)
+    quantized = each_alone(model, tokenizer, BATCH_PROMPTS, 24, **BITS)
+    assert quantized != each_alone(model, tokenizer, BATCH_PROMPTS, 24)
+    full = {tuple(p): p + out for p, out in zip(BATCH_PROMPTS, quantized)}
+    out = mlxspec.batch_generate(model, tokenizer, BATCH_PROMPTS, 24, drafter=Planted(full),
+                                 adaptive=False, **BITS)
+    assert out.token_ids == quantized
+    assert len({round(s.acceptance_rate, 3) for s in out.stats}) > 1  # ragged rollbacks
+    lookup = each_alone(model, tokenizer, BATCH_PROMPTS, 24, "lookup", **BITS)
+    assert mlxspec.batch_generate(model, tokenizer, BATCH_PROMPTS, 24, drafter="lookup",
+                                  **BITS).token_ids == lookup == quantized
+    seen = []
+    original = RaggedQuantizedKVCache.update_and_fetch
+    try:  # the batch's attention really runs on quantized rows
+        RaggedQuantizedKVCache.update_and_fetch = lambda self, k, v: seen.append(1) or \
+            original(self, k, v)
+        mlxspec.batch_generate(model, tokenizer, BATCH_PROMPTS[:2], 4, **BITS)
+    finally:
+        RaggedQuantizedKVCache.update_and_fetch = original
+    assert seen
+
+
+def test_a_batch_row_continues_a_kept_quantized_prompt_cache():
+    """A PromptCache filled with kv_bits (quantized) starts a batch row: the row joins at the
+    values it holds and continues as the lone generation from that cache does."""
+    from test_api_hardening import tiny_tokenizer
+
+    model = tiny_llama(vocab=VOCAB, hidden=128, seed=2, sharpness=8.0)
+    tokenizer = tiny_tokenizer(VOCAB)
+    prompt = BATCH_PROMPTS[0]
+    first = mlxspec.PromptCache()
+    turn = [r.token for r in mlxspec.stream_generate(model, tokenizer, prompt, 6,
+                                                     prompt_cache=first, **BITS)]
+    follow_up = prompt + turn + [4, 5]
+    alone_cache = mlxspec.PromptCache()
+    for r in mlxspec.stream_generate(model, tokenizer, prompt, 6, prompt_cache=alone_cache,
+                                     **BITS):
+        pass
+    expected = [r.token for r in mlxspec.stream_generate(
+        model, tokenizer, follow_up, 12, prompt_cache=alone_cache, **BITS)]
+    out = mlxspec.batch_generate(model, tokenizer, [follow_up, BATCH_PROMPTS[1]], 12,
+                                 prompt_caches=[first, None], **BITS)
+    assert out.cached_tokens[0] > 0
+    assert out.token_ids[0] == [t for t in expected if t not in tokenizer.eos_token_ids]
+
+
 def test_a_server_with_kv_bits_answers_as_the_quantized_target(target):
     """serve --kv-bits: every request's target keeps quantized keys and values, so a reply is
-    the text generate gives with the same kv_bits (not the full-precision one), with a drafter
-    and from a kept prompt cache (the same prompt again); batches keep full-precision caches,
-    so such a server says it serves one request at a time."""
+    the text generate gives with the same kv_bits (not the full-precision one), with a drafter,
+    from a kept prompt cache (the same prompt again), and with requests batched together."""
     pytest.importorskip("uvicorn", reason="mlxspec serve needs the server extra")
+    from concurrent.futures import ThreadPoolExecutor
+
     from test_api_hardening import tiny_tokenizer
     from test_server import Running
     from test_server_batching import ask
@@ -139,23 +213,26 @@ def test_a_server_with_kv_bits_answers_as_the_quantized_target(target):
     from mlxspec.server import make_server
 
     tokenizer = tiny_tokenizer(VOCAB)
-    prompt = " ".join(f"t{i}" for i in PROMPTS[0])
+    prompts = [" ".join(f"t{i}" for i in p) for p in BATCH_PROMPTS[:4]]
 
-    def text(**options):
+    def text(prompt, **options):
         return "".join(r.text for r in mlxspec.stream_generate(
             target, tokenizer, prompt, N, drafter="lookup", **options))
 
-    quantized = text(**BITS)
-    assert quantized != text()  # the quantized target's own text
+    quantized = [text(p, **BITS) for p in prompts]
+    assert quantized[0] != text(prompts[0])  # the quantized target's own text
     server = make_server(target, tokenizer, drafter="lookup", model_id="tiny", max_batch=4,
                          **BITS)
-    assert "--kv-bits" in server.worker.describe()
     running = Running(server)
     try:
-        body = {"prompt": prompt, "max_tokens": N, "temperature": 0}
+        assert server.worker.describe() == "batches of up to 4 requests"
+        body = {"prompt": prompts[0], "max_tokens": N, "temperature": 0}
         first, again = ask(running, body), ask(running, body)
-        assert first["text"] == again["text"] == quantized
+        assert first["text"] == again["text"] == quantized[0]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda p: ask(running, {**body, "prompt": p}), prompts))
+        assert [r["text"] for r in replies] == quantized
     finally:
         running.stop()
     with pytest.raises(ValueError, match="kv_bits must be one of"):

@@ -37,8 +37,8 @@ def make_server(model, tokenizer, *, drafter: str = "none", draft_model=None, mo
     1 serves them one at a time, continuing kept prompt caches. `prompt_cache_file`: a
     safetensors prompt cache (PromptCache.save) the kept caches start with, where it exists,
     and where the most recently used one is written when the server stops. `kv_bits`: every
-    request's target keeps its keys and values quantized (as generate's kv_bits), one request
-    at a time (batch rows keep full-precision caches)."""
+    request's target keeps its keys and values quantized (as generate's kv_bits), batched or
+    not."""
     _require_server_extra()
     from ..request import check_count, check_kv_settings
 

@@ -68,7 +68,7 @@ class Server:
             self.worker = BatchWorker(model, tokenizer, build_drafters, default_drafter,
                                       max_queue=max_queue, on_finish=on_finish,
                                       max_batch=max_batch, cache_file=cache_file,
-                                      quantized_kv=kv_quantization is not None)
+                                      kv_quantization=kv_quantization)
         else:
             self.worker = Worker(model, tokenizer, build_drafters, default_drafter,
                                  max_queue=max_queue, on_finish=on_finish, cache_file=cache_file)

@@ -121,11 +121,11 @@ class BatchWorker(Worker):
     serves one request at a time as the Worker does, and `refusal` says why."""
 
     def __init__(self, *args, max_batch: int = 8, cache_slots: int = 4,
-                 quantized_kv: bool = False, **kwargs):
+                 kv_quantization: tuple[int, int] | None = None, **kwargs):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch, self.refusal = max_batch, None
-        self.quantized_kv = quantized_kv
+        self.kv_quantization = kv_quantization  # (bits, group size): serve --kv-bits
         # as many kept caches as rows, at least: every row's conversation may come back
         kwargs["cache_slots"] = max(cache_slots, max_batch) if cache_slots else 0
         self.replies: dict[Row, RowReply] = {}  # the requests generating now, by their row
@@ -154,9 +154,6 @@ class BatchWorker(Worker):
         self.tokenizer = _as_wrapper(self.tokenizer)
         self.eos = frozenset(self.tokenizer.eos_token_ids)
         self.refusal = batch_refusal(self.model, self.drafters)
-        if self.refusal is None and self.quantized_kv:
-            self.refusal = ("--kv-bits: a batch's rows keep full-precision caches, so quantized "
-                            "ones serve one request at a time")
         if self.refusal is None:
             try:
                 self.target = self._new_target()
@@ -167,7 +164,9 @@ class BatchWorker(Worker):
 
     def _new_target(self):
         layers = next((d.capture_layers for d in self.drafters.values() if d.capture_layers), ())
-        return self.parts.batch_target(self.model, capture_layers=layers)
+        bits, group_size = self.kv_quantization or (None, 64)
+        return self.parts.batch_target(self.model, capture_layers=layers, kv_bits=bits,
+                                       kv_group_size=group_size)
 
     def _serve(self) -> None:
         if self.refusal is not None:

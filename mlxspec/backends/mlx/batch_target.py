@@ -17,11 +17,18 @@ with `ArraysCache.prepare(lengths=keep)`, which stops each row's state at its ow
 Rows sample from the global MLX random stream, in row order: there are no per-row seeds.
 """
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    QuantizedKVCache,
+    make_prompt_cache,
+)
 
 from ...engine import Draft, Pass, Start, Verdict
 from ...rollback import is_recurrent, restore, snapshot
@@ -29,10 +36,16 @@ from ...sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
 from .batch_prefill import JoiningRows, keep_rows
 from .hidden_states import capture_layer_outputs, concat_features, record_inputs
-from .ragged_cache import RaggedKVCache
+from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
-from .target import cache_offset, committed_scores, context_length, state_mixers
+from .target import (
+    cache_offset,
+    check_kv_group_size,
+    committed_scores,
+    context_length,
+    state_mixers,
+)
 
 
 class _Host(list):
@@ -79,8 +92,14 @@ class MLXBatchTarget:
     """An mlx-lm model verifying chains of drafts for a changing batch of sequences."""
 
     def __init__(self, model, *, capture_layers: Sequence[int] = (),
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, kv_bits: int | None = None,
+                 kv_group_size: int = 64):
         self.model = model
+        # kv_bits: the rows' attention caches hold keys and values quantized (as a single
+        # sequence's with kv_bits: its prompt prefilled at full precision, then quantized).
+        self.kv_quantization = None if kv_bits is None else (kv_group_size, kv_bits)
+        if kv_bits is not None:
+            check_kv_group_size(model, kv_group_size)
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
         probe = make_prompt_cache(model)
@@ -100,6 +119,8 @@ class MLXBatchTarget:
             [getattr(layer, name) for layer, name in self._mixers])
         self.cache = None  # mlx-lm batch caches, one per layer; None while no row is held
         self._joining = JoiningRows(model, self.capture_layers, prefill_step_size)
+        # Rows prefilled alone as they were added (_prefill_alone), waiting for `fill`.
+        self._prefilled: list = []
         self._tickets = 0
         self._rows = 0
         self._layout = 0  # bumped by add/remove: a pass's rollback cannot span them
@@ -141,14 +162,52 @@ class MLXBatchTarget:
                 for s in starts):
             raise ValueError("a row whose drafter reads the prompt's features starts from a "
                              "kept cache only with the features of what it holds")
+        for s in starts:
+            for c in s.caches if s is not None else ():
+                if isinstance(c, QuantizedKVCache) and \
+                        self.kv_quantization != (c.group_size, c.bits):
+                    raise ValueError(
+                        f"a kept cache quantized to {c.bits} bits in groups of {c.group_size} "
+                        "continues only in a batch with the same kv_bits and kv_group_size")
         tickets = list(range(self._tickets, self._tickets + len(prompts)))
         self._tickets += len(prompts)
         self._keeping.update(t for t, keep in zip(tickets, kept or []) if keep)
-        self._joining.add(tickets,
-                          [list(p[s.length if s else 0 : -1]) for p, s in zip(prompts, starts)],
-                          [s.caches if s else make_prompt_cache(self.model) for s in starts],
-                          [s.features if s and self.capture_layers else None for s in starts])
+        bodies = [list(p[s.length if s else 0 : -1]) for p, s in zip(prompts, starts)]
+        quantized = [s is not None and any(isinstance(c, QuantizedKVCache) for c in s.caches)
+                     for s in starts]
+        for ticket, body, start in zip(tickets, bodies, starts):
+            if start is not None and any(isinstance(c, QuantizedKVCache) for c in start.caches):
+                self._prefilled.append((ticket, *self._prefill_alone(body, start)))
+        rest = [i for i, q in enumerate(quantized) if not q]
+        if rest:
+            self._joining.add([tickets[i] for i in rest], [bodies[i] for i in rest],
+                              [starts[i].caches if starts[i] else make_prompt_cache(self.model)
+                               for i in rest],
+                              [starts[i].features if starts[i] and self.capture_layers else None
+                               for i in rest])
         return tickets
+
+    def _prefill_alone(self, body: list[int], start: Start) -> tuple[list, object]:
+        """A row continuing a kept quantized cache (kv_bits) prefills the rest of its prompt by
+        itself, into copies of those caches, as a lone sequence continues one: its new
+        positions attend to quantized keys and are quantized as written (a batch's joining
+        rows prefill at full precision). Returns its caches as the batch holds them and its
+        features (held, then new; None without capture layers)."""
+        caches = [copy_cache(c) for c in start.caches]
+        features = [start.features] if self.capture_layers and start.length else []
+        for i in range(0, len(body), self._joining.step_size):
+            chunk = mx.array(body[i : i + self._joining.step_size], dtype=mx.int32)[None]
+            with capture_layer_outputs(self.model, self.capture_layers) as hidden:
+                self.model(chunk, cache=caches)
+            if hidden:
+                features.append(concat_features(hidden)[0])
+            mx.eval([c.state for c in caches] + features[-1:])
+        rows = [RaggedQuantizedKVCache.from_single(c) if isinstance(c, QuantizedKVCache)
+                else type(c).merge([c]) for c in caches]
+        if not self.capture_layers:
+            return rows, None
+        return rows, (mx.concatenate(features, axis=0) if features
+                      else mx.zeros((0, 0)))
 
     @property
     def joining(self) -> int:
@@ -161,10 +220,20 @@ class MLXBatchTarget:
         the order they were added. Returns (ticket, its captured features (n_i, H*layers) or
         None) per ready row, in that order."""
         tickets, cache, features = self._joining.step(budget)
+        if tickets:
+            cache = [self._ragged(c) if isinstance(c, BatchKVCache) else c for c in cache]
+        for ticket, rows, row_features in self._prefilled:  # ready since they were added
+            if not tickets:
+                tickets, cache, features = [], rows, [] if self.capture_layers else None
+            else:
+                for joined, row in zip(cache, rows):
+                    joined.extend(row)
+            tickets.append(ticket)
+            if features is not None:
+                features.append(row_features)
+        self._prefilled = []
         if not tickets:
             return []
-        cache = [RaggedKVCache.from_batch(c) if isinstance(c, BatchKVCache) else c
-                 for c in cache]
         self._prompt_states += self._states_at_prompt_end(cache, tickets)
         self._keeping.difference_update(tickets)
         if self.cache is None:
@@ -177,6 +246,13 @@ class MLXBatchTarget:
         self._layout += 1
         self._last = None
         return list(zip(tickets, features or [None] * len(tickets)))
+
+    def _ragged(self, cache: BatchKVCache) -> RaggedKVCache:
+        """A prefilled row's attention cache as the running batch holds it."""
+        if self.kv_quantization is None:
+            return RaggedKVCache.from_batch(cache)
+        group_size, bits = self.kv_quantization
+        return RaggedQuantizedKVCache.from_batch(cache, group_size, bits)
 
     def _states_at_prompt_end(self, cache: list, tickets: list[int]) -> list:
         if not (self.capture_layers and self._has_recurrent):
@@ -357,3 +433,17 @@ def _select_rows(cache, conv_input: mx.array, states: list, keep: mx.array) -> N
     tape = mx.stack(states, axis=1)  # (rows, S, ...)
     at = (keep - 1).reshape((-1,) + (1,) * (tape.ndim - 1))
     cache.cache = [mx.contiguous(conv), mx.take_along_axis(tape, at, axis=1)[:, 0]]
+
+
+
+def copy_cache(cache):
+    """A single sequence's cache whose later writes leave `cache` as it is (a kept prompt
+    cache lends its prefix): a quantized one's held parts copied out, others deep-copied."""
+    if not isinstance(cache, QuantizedKVCache):
+        return copy.deepcopy(cache)
+    twin = QuantizedKVCache(cache.group_size, cache.bits)
+    if cache.keys is not None:
+        twin.keys, twin.values = (tuple(mx.array(a[..., : cache.offset, :]) for a in part)
+                                  for part in (cache.keys, cache.values))
+        twin.offset = cache.offset
+    return twin

@@ -11,11 +11,16 @@ overwritten by its next pass.
 
 While every row ends at the same index (plain decoding, or rows that accepted alike) the cache
 is mlx-lm's own BatchKVCache, to the bit: the same writes and the same mask.
+
+RaggedQuantizedKVCache keeps the same rows quantized (`--kv-bits` in a batch), as mlx-lm's
+QuantizedKVCache keeps one sequence's: each position quantized as it is written, attention
+through mlx-lm's quantized path. Both move their buffers (keys and values, or each part of
+their quantized forms) through the same few steps: `_arrays` and `_set_arrays`.
 """
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 
 class RaggedKVCache(BatchKVCache):
@@ -41,25 +46,48 @@ class RaggedKVCache(BatchKVCache):
             fetched = super().update_and_fetch(keys, values)
             self.ends = [self._idx] * len(self.ends)
             return fetched
-        n = keys.shape[2]
-        self._reserve(max(self.ends) + n)
+        self._scatter(self._encode(keys, values))
+        return self.keys_and_values()
+
+    # ---- the buffers, whatever they hold ----
+
+    def _arrays(self) -> list | None:
+        """The buffers, each (B, heads, positions, columns): keys and values here."""
+        return None if self.keys is None else [self.keys, self.values]
+
+    def _set_arrays(self, arrays: list) -> None:
+        self.keys, self.values = arrays
+
+    def _encode(self, keys, values) -> list:
+        """New positions' keys and values (B, heads, n, D) as the buffers hold them."""
+        return [keys, values]
+
+    def _scatter(self, new: list) -> None:
+        """Write each row's n new positions right after its own end."""
+        n = new[0].shape[2]
+        self._reserve(max(self.ends) + n, new)
         at = (mx.array(self.ends)[:, None] + mx.arange(n))[:, None, :, None]  # (B, 1, n, 1)
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values,
-                                        axis=2)
+        self._set_arrays([mx.put_along_axis(a, mx.broadcast_to(at, x.shape), x, axis=2)
+                          for a, x in zip(self._arrays(), new)])
         self.ends = [e + n for e in self.ends]
         self.offset = self.offset + n
         self._idx = max(self.ends)
-        return self.keys_and_values()
 
-    def _reserve(self, length: int) -> None:
-        """Room in the buffer for `length` positions (mlx-lm's growth: whole steps)."""
-        if length <= self.keys.shape[2]:
+    def _reserve(self, length: int, like: list) -> None:
+        """Room in the buffers for `length` positions (mlx-lm's growth: whole steps); `like`:
+        arrays shaped as the buffers' rows, for buffers not made yet."""
+        arrays = self._arrays()
+        if arrays is None:
+            size = -(-length // self.step) * self.step
+            self._set_arrays([mx.zeros(x.shape[:2] + (size,) + x.shape[3:], x.dtype)
+                              for x in like])
             return
-        grow = -(-(length - self.keys.shape[2]) // self.step) * self.step
-        self.keys, self.values = (
+        if length <= arrays[0].shape[2]:
+            return
+        grow = -(-(length - arrays[0].shape[2]) // self.step) * self.step
+        self._set_arrays([
             mx.concatenate([a, mx.zeros(a.shape[:2] + (grow,) + a.shape[3:], a.dtype)], axis=2)
-            for a in (self.keys, self.values))
+            for a in arrays])
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         """Row i's query j (at position ends[i] + j) sees its own keys up to itself."""
@@ -91,49 +119,140 @@ class RaggedKVCache(BatchKVCache):
         rows = batch_indices.tolist() if isinstance(batch_indices, mx.array) \
             else list(batch_indices)
         index = mx.array(rows, dtype=mx.int32)
-        if self.keys is not None:
-            self.keys, self.values = self.keys[index], self.values[index]
+        arrays = self._arrays()
+        if arrays is not None:
+            self._set_arrays([a[index] for a in arrays])
         self.offset, self.left_padding = self.offset[index], self.left_padding[index]
         self.ends = [self.ends[i] for i in rows]
         cut = min(self.left_padding.tolist(), default=0)
         if cut > 0:
-            if self.keys is not None:
-                self.keys, self.values = self.keys[..., cut:, :], self.values[..., cut:, :]
+            if arrays is not None:
+                self._set_arrays([a[..., cut:, :] for a in self._arrays()])
             self.left_padding = self.left_padding - cut
             self.ends = [e - cut for e in self.ends]
         self._idx = max(self.ends, default=0)
 
     def extend(self, other) -> None:
-        """Append `other`'s rows (a RaggedKVCache or mlx-lm's BatchKVCache): each keeps its
-        positions in the buffer, so nothing is realigned."""
-        if not isinstance(other, RaggedKVCache):
-            other = RaggedKVCache.from_batch(other)
-        parts = [c for c in (self, other) if c.keys is not None]
+        """Append `other`'s rows (of this class, or mlx-lm's BatchKVCache, made one): each
+        keeps its positions in the buffer, so nothing is realigned."""
+        if type(other) is not type(self):
+            other = self.like(other)
+        parts = [c._arrays() for c in (self, other) if c._arrays() is not None]
         if parts:
-            length = max(c.keys.shape[2] for c in parts)
-            like = parts[0]
-            keys, values = [], []
-            for c in (self, other):
-                for out, a, ref in ((keys, c.keys, like.keys), (values, c.values, like.values)):
-                    rows = c.offset.shape[0]
+            length = max(p[0].shape[2] for p in parts)
+            joined = []
+            for i, ref in enumerate(parts[0]):
+                column = []
+                for c in (self, other):
+                    a = c._arrays()[i] if c._arrays() is not None else None
                     if a is None:
-                        a = mx.zeros((rows,) + ref.shape[1:2] + (length,) + ref.shape[3:],
-                                     ref.dtype)
+                        a = mx.zeros((c.offset.shape[0],) + ref.shape[1:2] + (length,)
+                                     + ref.shape[3:], ref.dtype)
                     elif a.shape[2] < length:
                         a = mx.pad(a, [(0, 0), (0, 0), (0, length - a.shape[2]), (0, 0)])
-                    out.append(a)
-            self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
+                    column.append(a)
+                joined.append(mx.concatenate(column))
+            self._set_arrays(joined)
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
         self.ends = self.ends + other.ends
         self._idx = max(self.ends, default=0)
 
+    def like(self, cache: BatchKVCache) -> "RaggedKVCache":
+        """mlx-lm's batch cache as one of this kind."""
+        return RaggedKVCache.from_batch(cache)
+
+    def _row(self, idx: int) -> list | None:
+        """Row `idx`'s held positions of each buffer, (1, heads, n, columns), or None."""
+        start, end = self.left_padding.tolist()[idx], self.ends[idx]
+        if self._arrays() is None or end <= start:
+            return None
+        return [mx.contiguous(a[idx : idx + 1, :, start:end]) for a in self._arrays()]
+
     def extract(self, idx: int) -> KVCache:
         """Row `idx` as one sequence's cache."""
-        cache = KVCache()
-        start, end = self.left_padding.tolist()[idx], self.ends[idx]
-        if self.keys is not None and end > start:
-            cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, start:end])
-            cache.values = mx.contiguous(self.values[idx : idx + 1, :, start:end])
-            cache.offset = end - start
+        cache, row = KVCache(), self._row(idx)
+        if row is not None:
+            cache.keys, cache.values = row
+            cache.offset = row[0].shape[2]
+        return cache
+
+
+class RaggedQuantizedKVCache(RaggedKVCache):
+    """RaggedKVCache's rows with their keys and values quantized (mlx.core.quantize along each
+    position's head dimension: `group_size`, `bits`), as mlx-lm's QuantizedKVCache holds one
+    sequence's, so a row's positions quantize as a single sequence's do, and rolling back
+    quantizes nothing again. Its `bits` sends attention through mlx-lm's quantized path."""
+
+    def __init__(self, group_size: int, bits: int):
+        self.group_size, self.bits = group_size, bits
+
+    @classmethod
+    def from_batch(cls, cache: BatchKVCache, group_size: int = 64,
+                   bits: int = 8) -> "RaggedQuantizedKVCache":
+        """mlx-lm's batch cache (a prompt prefilled at full precision) quantized, as a single
+        sequence's prompt is once in its cache (quantized_kv_start 0)."""
+        ragged = cls(group_size, bits)
+        plain = RaggedKVCache.from_batch(cache)
+        ragged.keys = ragged.values = None
+        if plain.keys is not None:
+            held = [a[..., : plain._idx, :] for a in (plain.keys, plain.values)]
+            ragged.keys, ragged.values = (
+                tuple(mx.quantize(a, group_size=group_size, bits=bits)) for a in held)
+        ragged.offset, ragged.left_padding = plain.offset, plain.left_padding
+        ragged._idx, ragged._right_padding, ragged.ends = plain._idx, None, plain.ends
+        return ragged
+
+    @classmethod
+    def from_single(cls, cache: QuantizedKVCache) -> "RaggedQuantizedKVCache":
+        """One sequence's quantized cache as a batch of that one row, its parts as they are."""
+        ragged = cls(cache.group_size, cache.bits)
+        ragged.keys = ragged.values = None
+        if cache.keys is not None:
+            ragged.keys, ragged.values = (tuple(a[..., : cache.offset, :] for a in part)
+                                          for part in (cache.keys, cache.values))
+        ragged.offset, ragged.left_padding = mx.array([cache.offset]), mx.array([0])
+        ragged._idx, ragged._right_padding, ragged.ends = cache.offset, None, [cache.offset]
+        return ragged
+
+    def like(self, cache: BatchKVCache) -> "RaggedQuantizedKVCache":
+        return RaggedQuantizedKVCache.from_batch(cache, self.group_size, self.bits)
+
+    def update_and_fetch(self, keys, values):
+        new = self._encode(keys, values)
+        if not self.aligned:
+            self._scatter(new)
+            return self.keys_and_values()
+        start, n = (self.ends[0] if self.ends else 0), keys.shape[2]
+        self._reserve(start + n, new)
+        for a, x in zip(self._arrays(), new):  # the buffers in place, as mlx-lm writes them
+            a[..., start : start + n, :] = x
+        self.ends = [start + n] * len(self.ends)
+        self.offset, self._idx = self.offset + n, start + n
+        return self.keys_and_values()
+
+    def _arrays(self) -> list | None:
+        return None if self.keys is None else [*self.keys, *self.values]
+
+    def _set_arrays(self, arrays: list) -> None:
+        self.keys, self.values = tuple(arrays[:3]), tuple(arrays[3:])
+
+    def _encode(self, keys, values) -> list:
+        return [*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
+                *mx.quantize(values, group_size=self.group_size, bits=self.bits)]
+
+    def keys_and_values(self):
+        return tuple(tuple(a[..., : self._idx, :] for a in part)
+                     for part in (self.keys, self.values))
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding
+
+    def extract(self, idx: int) -> QuantizedKVCache:
+        """Row `idx` as one sequence's quantized cache."""
+        cache, row = QuantizedKVCache(self.group_size, self.bits), self._row(idx)
+        if row is not None:
+            cache.keys, cache.values = tuple(row[:3]), tuple(row[3:])
+            cache.offset = row[0].shape[2]
         return cache

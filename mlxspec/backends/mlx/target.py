@@ -3,7 +3,7 @@
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
@@ -464,9 +464,12 @@ class PromptCache(KeptCache):
             return self.cache
         views = []
         for c in self.cache:  # cut short only where shared() found every layer trimmable
-            if type(c) is not KVCache:
+            if type(c) is QuantizedKVCache:  # kv_bits
+                view = QuantizedKVCache(c.group_size, c.bits)
+            elif type(c) is KVCache:
+                view = KVCache()
+            else:
                 raise ValueError(f"a {type(c).__name__} cannot lend a shorter prefix")
-            view = KVCache()
             view.keys, view.values, view.offset = c.keys, c.values, n
             views.append(view)
         return views
