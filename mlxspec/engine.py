@@ -406,13 +406,19 @@ class AdaptiveDraftLength:
             slope = max(sum(w * (k - mean_k) * (t - mean_t) for k, t, w in drafted) / var, 0.0)
             intercept = mean_t - slope * mean_k
         elif drafted:
+            # One K timed: the prior slope, in plain steps; with no plain step timed, the plain
+            # step it implies (t1 = plain x (1 + prior x k1)), as VerifyBudget's one point. A
+            # slope scaled by t1 itself put the intercept at t1 (1 - prior x k1): zero at
+            # k1 = 10 and below past it, so a copier's first long draft divided by zero.
             (k1, t1, _), = drafted
-            slope = self.prior_token_cost * (plain or t1)
+            slope = self.prior_token_cost * (plain or t1 / (1 + self.prior_token_cost * k1))
             intercept = t1 - slope * k1
         else:
             plain = plain or 1.0
             slope, intercept = self.prior_token_cost * plain, plain
-        plain = plain if plain is not None else intercept
+        if plain is None:  # a fitted line's intercept, unless noise put it at or below zero
+            (k1, t1, _) = drafted[0]
+            plain = intercept if intercept > 0 else t1 / (1 + self.prior_token_cost * k1)
         return plain, max(intercept, 1e-6), max(slope, self.min_token_cost * plain)
 
     def next_k(self) -> int:
@@ -468,7 +474,7 @@ class AdaptiveDraftLength:
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         self.curve.observe(drafted, accepted)
-        if seconds is not None:
+        if seconds is not None and seconds > 0:  # a clock that did not move measured nothing
             old = self.step_time.get(drafted)
             self.step_time[drafted] = seconds if old is None else 0.7 * old + 0.3 * seconds
             self.step_count[drafted] = self.step_count.get(drafted, 0) + 1

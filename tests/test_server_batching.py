@@ -447,3 +447,25 @@ def test_suffix_requests_draft_from_earlier_replies(tiny, max_batch):
             first["usage"]["mlxspec"]["target_passes"]
     finally:
         running.stop()
+
+
+def test_a_failed_pass_is_one_line_to_its_client_and_a_traceback_in_the_log(servers, capsys,
+                                                                           monkeypatch):
+    """A generation that fails inside the batch is the server's bug: its client gets a 500 in
+    one line, the log gets the traceback (the agentic bench's ZeroDivisionError came with
+    neither a file nor a line), and the next request is served by a fresh batch as it would
+    be alone."""
+    (batched, server), (alone, _) = servers
+    from mlxspec.engine import Loop
+
+    def broken(self, ks):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(Loop, "_launch", broken)
+    body = {"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 4, "temperature": 0}
+    reply = post_json(batched.url + "/v1/chat/completions", json.dumps(body))
+    assert reply.status_code == 500 and "ZeroDivisionError" in reply.text
+    log = capsys.readouterr().err
+    assert "a generation failed" in log and "Traceback" in log and "in broken" in log
+    monkeypatch.undo()
+    assert ask(batched, body)["text"] == ask(alone, body)["text"]

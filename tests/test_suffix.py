@@ -416,6 +416,26 @@ def test_suffix_keeps_the_part_of_its_draft_worth_verifying():
     assert policy.cut(tree) is tree  # a tree's budget is TreeBudget's
 
 
+def test_one_long_timed_draft_and_no_plain_step_give_a_positive_step_time():
+    """The agentic bench's server failed at 4 clients with a division by zero: a suffix row's
+    first timed step drafted 10 tokens and no plain step was timed yet, and the time line's
+    prior put the plain step at t (1 - 0.1 x 10) = 0. The one point now implies its plain step
+    (t / (1 + 0.1 K)), as VerifyBudget's does, for any K; a clock that did not move is no
+    sample."""
+    from mlxspec.drafters.match_length import ScoredDraftLength
+    from mlxspec.engine import Draft
+
+    for k in (10, 12, 16):
+        policy = ScoredDraftLength(16, lambda: [1.0] * 16)
+        policy.update(k, k, 0.3)
+        policy.update(0, 0, 0.0)  # measured nothing: ignored
+        plain, intercept, slope = policy._time_model()
+        assert 0.0 not in policy.step_time.values()
+        assert plain == pytest.approx(0.3 / (1 + 0.1 * k)) and intercept == pytest.approx(plain)
+        assert slope == pytest.approx(0.1 * plain)
+        assert len(policy.cut(Draft(tokens=list(range(k))))) == k  # sure drafts kept whole
+
+
 def test_the_loop_verifies_what_the_row_s_policy_keeps_of_a_draft(target):
     """The loop verifies the part of a draft the row's policy keeps (its `cut`): a policy
     keeping one token gets one-token steps; at a fixed K (no policy) every draft suffix

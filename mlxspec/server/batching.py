@@ -26,7 +26,7 @@ from ..batch import keep_row, kept_start, model_refusal, request_row
 from ..engine import Loop, Row
 from ..generate import Responses, Session, _as_wrapper, check_request
 from ..generation_lock import clear_streams_at_thread_exit, generation_lock
-from .worker import NOTHING, Answer, Job, Outcome, Worker
+from .worker import NOTHING, Answer, Job, Outcome, Worker, report_failure
 
 
 def batch_refusal(model, drafters: dict) -> str | None:
@@ -241,7 +241,7 @@ class BatchWorker(Worker):
             reply = RowReply(job, row, self.tokenizer, self.eos,
                              lambda: self.parts.peak_memory_gb(self.model), cached)
         except Exception as err:  # noqa: BLE001  (this request's failure only)
-            job.emit("error", f"{type(err).__name__}: {err}")
+            job.fail(err)
             return
         self.replies[row] = reply
         self.loop.join(row)
@@ -277,6 +277,7 @@ class BatchWorker(Worker):
 
     def _fail(self, err: Exception) -> None:
         """A pass failed: every row's request gets the error, and a fresh batch starts."""
+        report_failure(err)
         message = f"{type(err).__name__}: {err}"
         for reply in self.replies.values():
             reply.job.emit("error", message)

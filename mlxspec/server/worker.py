@@ -11,7 +11,9 @@ them.
 
 import asyncio
 import queue
+import sys
 import threading
+import traceback
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +40,18 @@ class Job:
     def emit(self, kind: str, value=None) -> None:
         """Hand an event to the request's handler (from the worker thread)."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    def fail(self, err: Exception) -> None:
+        """The client gets the error in one line; the server's log gets where it came from."""
+        report_failure(err)
+        self.emit("error", f"{type(err).__name__}: {err}")
+
+
+def report_failure(err: Exception) -> None:
+    """A failure inside generation is the server's bug, not the client's: its traceback goes
+    to stderr so that it can be found, while the client sees one line."""
+    print("mlxspec serve: a generation failed:", file=sys.stderr)
+    traceback.print_exception(err, file=sys.stderr)
 
 
 @dataclass
@@ -240,7 +254,7 @@ class Worker:
                     self.on_finish(job, outcome)
                 job.emit("done", outcome)
             except Exception as err:  # noqa: BLE001  (reported to the client, the server lives)
-                job.emit("error", f"{type(err).__name__}: {err}")
+                job.fail(err)
             finally:
                 self.busy = False
 
