@@ -12,10 +12,15 @@ another's run: suffix's history starts empty and fills with this run's replies o
 Greedy, --max-tokens per request. Throughput = completion tokens / wall time; at 1 client,
 each configuration against plain per session (paired bootstrap over sessions, tokens per second
 of the session's requests). Every reply is compared with plain's (greedy: the same text).
+With --repeats R every configuration runs R times, the drafters' order reversed on every other
+repeat (a machine drifting over the run favours none of them); a level's throughput is then
+all its repeats' tokens over their wall time, and the paired intervals run over (session,
+repeat) pairs, so they hold the run-to-run spread of continuous batching's arrival order.
 
     .venv/bin/python benchmarks/agentic_server.py --out docs/results/agentic-server-cpu.json
     .venv/bin/python benchmarks/agentic_server.py --sessions 2 --max-tokens 16 \\
         --drafters none,suffix --levels 1   # a smoke run
+    .venv/bin/python benchmarks/agentic_server.py --plot-only docs/results/agentic-server-cpu.json
 """
 
 import argparse
@@ -79,6 +84,20 @@ def run_level(url: str, sessions, clients: int, max_tokens: int) -> dict:
             "tau": tokens / sum(passes) if all(passes) else None, "sessions": results}
 
 
+def run_config(mlxspec_bin: str, model_dir: str, drafter: str, max_batch: int, sessions,
+               clients: int, max_tokens: int) -> dict:
+    """One level on a fresh server: no drafter learns from another's run."""
+    proc = Process([mlxspec_bin, "serve", "--model", model_dir, "--drafter", drafter,
+                    "--max-batch", str(max_batch), "--port", "{port}"], 300)
+    try:
+        api = client(proc.url, 60)
+        api.chat.completions.create(model=api.models.list().data[0].id, max_tokens=4,
+                                    messages=[{"role": "user", "content": "Hello"}])
+        return run_level(proc.url, sessions, clients, max_tokens)
+    finally:
+        proc.stop()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
@@ -86,8 +105,16 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
     parser.add_argument("--levels", default="1,4")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", default=None, help="the report (JSON); a .png beside it")
+    parser.add_argument("--plot-only", default=None, metavar="JSON",
+                        help="draw an earlier report's plot (JSON path -> .png) and stop")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     model_dir = str(resolve_model_dir(args.model))
     sessions = agentic_sessions(args.sessions)
     levels = [int(c) for c in args.levels.split(",")]
@@ -95,50 +122,98 @@ def main():
     report = {"model": model_dir, "sessions": len(sessions), "max_tokens": args.max_tokens,
               "machine": platform.platform(), "mlxspec": version("mlxspec"),
               "blas": mlxspec.blas_in_use(), "runs": {}}
-    for drafter in args.drafters.split(","):
-        for clients in levels:
-            proc = Process([mlxspec_bin, "serve", "--model", model_dir, "--drafter", drafter,
-                            "--max-batch", str(max(levels)), "--port", "{port}"], 300)
-            try:
-                api = client(proc.url, 60)
-                api.chat.completions.create(model=api.models.list().data[0].id, max_tokens=4,
-                                            messages=[{"role": "user", "content": "Hello"}])
-                result = run_level(proc.url, sessions, clients, args.max_tokens)
-            finally:
-                proc.stop()
-            report["runs"].setdefault(drafter, {})[str(clients)] = result
-            print(f"{drafter} @ {clients} clients: {result['throughput_tps']:.1f} tok/s, "
-                  f"tau {result['tau'] or 0:.2f}, {result['wall_s']:.0f} s", flush=True)
-            if args.out:
-                Path(args.out).write_text(json.dumps(summarise(report), indent=1))
+    drafters = args.drafters.split(",")
+    for repeat in range(args.repeats):
+        for drafter in drafters if repeat % 2 == 0 else drafters[::-1]:
+            for clients in levels:
+                result = run_config(mlxspec_bin, model_dir, drafter, max(levels), sessions,
+                                    clients, args.max_tokens)
+                report["runs"].setdefault(drafter, {}).setdefault(str(clients), []).append(
+                    result)
+                print(f"{drafter} @ {clients} clients, repeat {repeat + 1}: "
+                      f"{result['throughput_tps']:.1f} tok/s, tau {result['tau'] or 0:.2f}, "
+                      f"{result['wall_s']:.0f} s", flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(summarise(report), indent=1))
     print(json.dumps(summarise(report)["summary"], indent=1))
+    if args.out:
+        plot(summarise(report), Path(args.out).with_suffix(".png"))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Throughput per drafter at each level, and the per-session ratio to plain with its
+    interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = report["summary"]
+    drafters = list(summary)
+    levels = sorted({int(c) for d in drafters for c in summary[d]})
+    fig, (speed, ratios) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(levels)
+    for j, clients in enumerate(levels):
+        rows = [summary[d].get(str(clients)) for d in drafters]
+        x = [i + j * width for i in range(len(drafters))]
+        label = f"{clients} client{'s' if clients > 1 else ''}"
+        speed.bar(x, [r["throughput_tps"] if r else 0 for r in rows], width, label=label)
+        ratio = [r.get("per_session_vs_none") if r else None for r in rows]
+        mid = [r["ratio"] if r else 1.0 for r in ratio]
+        low = [m - r["interval"][0] if r and r["interval"] else 0 for m, r in zip(mid, ratio)]
+        high = [r["interval"][1] - m if r and r["interval"] else 0 for m, r in zip(mid, ratio)]
+        ratios.bar(x, mid, width, yerr=[low, high], capsize=3, label=label)
+    for ax in (speed, ratios):
+        ax.set_xticks([i + width * (len(levels) - 1) / 2 for i in range(len(drafters))], drafters)
+        ax.legend(fontsize=8)
+    ratios.axhline(1.0, color="0.5", lw=0.8)
+    speed.set(ylabel="completion tok/s (all clients)",
+              title=f"Agentic suite through mlxspec serve ({report['sessions']} sessions)")
+    ratios.set(ylabel="per-session tok/s / plain's",
+               title="against plain decoding (95% paired bootstrap)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def pooled(repeats: list[dict]) -> dict:
+    """A level's repeats as one run: their tokens over their wall time, sessions end to end."""
+    tokens = sum(r["tokens"] for r in repeats)
+    passes = [p["target_passes"] for r in repeats for s in r["sessions"] for p in s]
+    return {"throughput_tps": tokens / sum(r["wall_s"] for r in repeats),
+            "tau": tokens / sum(passes) if all(passes) else None,
+            "repeats_tps": [r["throughput_tps"] for r in repeats],
+            "sessions": [s for r in repeats for s in r["sessions"]]}
 
 
 def summarise(report: dict) -> dict:
     """Per configuration and level: throughput and its ratio to plain's, the same-text count,
-    and at each level the per-session paired ratio to plain and to lookup."""
+    and at each level the per-session paired ratio to plain and to lookup (over the repeats
+    both sides have run)."""
     runs, summary = report["runs"], {}
     for drafter, levels in runs.items():
-        for clients, result in levels.items():
-            row = {"throughput_tps": result["throughput_tps"], "tau": result["tau"]}
+        for clients, repeats in levels.items():
+            result = pooled(repeats)
+            row = {"throughput_tps": result["throughput_tps"], "tau": result["tau"],
+                   "repeats_tps": result["repeats_tps"]}
             for base in ("none", "lookup"):
-                other = runs.get(base, {}).get(clients)
-                if other is None or base == drafter:
+                others = runs.get(base, {}).get(clients)
+                if others is None or base == drafter:
                     continue
-                row[f"vs_{base}"] = result["throughput_tps"] / other["throughput_tps"]
-                mine = [(sum(r["tokens"] for r in s), sum(r["seconds"] for r in s))
-                        for s in result["sessions"]]
-                theirs = [(sum(r["tokens"] for r in s), sum(r["seconds"] for r in s))
-                          for s in other["sessions"]]
+                n = min(len(repeats), len(others))
+                mine, theirs = pooled(repeats[:n]), pooled(others[:n])
+                row[f"vs_{base}"] = mine["throughput_tps"] / theirs["throughput_tps"]
+                a = [(sum(r["tokens"] for r in s), sum(r["seconds"] for r in s))
+                     for s in mine["sessions"]]
+                b = [(sum(r["tokens"] for r in s), sum(r["seconds"] for r in s))
+                     for s in theirs["sessions"]]
                 row[f"per_session_vs_{base}"] = paired_ratio(
-                    ([m[0] for m in mine], [m[1] for m in mine]),
-                    ([t[0] for t in theirs], [t[1] for t in theirs]))
+                    ([x[0] for x in a], [x[1] for x in a]), ([y[0] for y in b], [y[1] for y in b]))
                 if base == "none":
                     row["same_text"] = sum(
-                        a["text"] == b["text"]
-                        for s, t in zip(result["sessions"], other["sessions"])
-                        for a, b in zip(s, t))
-                    row["replies"] = sum(len(s) for s in result["sessions"])
+                        x["text"] == y["text"]
+                        for s, t in zip(mine["sessions"], theirs["sessions"])
+                        for x, y in zip(s, t))
+                    row["replies"] = sum(len(s) for s in mine["sessions"])
             summary.setdefault(drafter, {})[clients] = row
     return {**report, "summary": summary}
 
