@@ -1,4 +1,5 @@
-"""Convert a released DFlash drafter (z-lab format) into a checked, MLX-loadable directory.
+"""Convert a released DFlash or DFlash2 drafter (z-lab format) into a checked, MLX-loadable
+directory.
 
 The layout stays z-lab's (config.json + safetensors with their names), so the result is still a
 valid DFlash checkpoint; what conversion adds is the validation (config, every weight name and
@@ -14,8 +15,10 @@ import mlx.core as mx
 from ..file_checks import read_json_object
 from ..models.dflash import (
     ARCHITECTURE,
+    BLOCK_DRAFTERS,
     DRAFT_VOCAB_FILE,
     DFlashConfig,
+    DFlashModel,
     check_weights,
     draft_vocab_json,
     read_config,
@@ -41,6 +44,15 @@ def is_dflash_checkpoint(path: str | Path) -> bool:
     return ARCHITECTURE in (config.get("architectures") or []) or "dflash_config" in config
 
 
+def _classes(config: dict) -> tuple[type, type]:
+    """(config class, model class) of the block drafter the config's architectures name."""
+    if any(BLOCK_DRAFTERS.get(a) == "dflash2" for a in config.get("architectures") or []):
+        from ..models.dflash2 import DFlash2Config, DFlash2Model
+
+        return DFlash2Config, DFlash2Model
+    return DFlashConfig, DFlashModel
+
+
 def convert_dflash(
     source: str | Path,
     out_dir: str | Path,
@@ -63,10 +75,11 @@ def convert_dflash(
             f"architectures [{ARCHITECTURE!r}] nor a dflash_config"
         )
     config = read_config(path)
-    args = DFlashConfig.from_dict(config)
+    config_class, model_class = _classes(config)
+    args = config_class.from_dict(config)
     draft_vocab = read_draft_vocab(path, args.vocab_size)
     weights = read_weights(path)
-    check_weights(args, weights)
+    check_weights(args, weights, model_class)
     if dtype is not None:
         weights = {
             k: v.astype(_DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v

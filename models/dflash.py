@@ -15,7 +15,7 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx import nn
@@ -28,6 +28,15 @@ from ..checkpoint_checks import check_checkpoint_config
 from ..file_checks import check_safetensors, read_json, safetensors_files
 
 ARCHITECTURE = "DFlashDraftModel"
+# The block drafters whose checkpoints look alike (config.json with target_layer_ids and a
+# mask token, no embedding of their own): which --drafter loads each architecture.
+BLOCK_DRAFTERS = {
+    "DFlashDraftModel": "dflash",
+    "DFlash2DraftModel": "dflash2",
+    "Qwen3DSparkModel": "dspark",
+    "Gemma4DSparkModel": "dspark",
+    "Lfm2DSparkDraftModel": "dspark",
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys z-lab reads from `dflash_config` first, then from the top level of config.json.
 _DRAFT_KEYS = (
@@ -88,7 +97,7 @@ class DFlashConfig:
         """Read a released config.json: `dflash_config` entries win, unknown keys are ignored."""
         params = dict(params)
         draft = params.get("dflash_config") or {}
-        params.update({k: draft[k] for k in _DRAFT_KEYS if k in draft})
+        params.update({k: draft[k] for k in cls.draft_keys if k in draft})
         names = inspect.signature(cls).parameters
         required = [n for n, p in names.items() if p.default is inspect.Parameter.empty]
         missing = [n for n in required if n not in params]
@@ -96,12 +105,15 @@ class DFlashConfig:
             raise ValueError(f"DFlash config.json lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in params.items() if k in names})
 
+    architecture: ClassVar[str] = ARCHITECTURE
+    draft_keys: ClassVar[tuple[str, ...]] = _DRAFT_KEYS
+
     def __post_init__(self):
-        if "DFlash2DraftModel" in (self.architectures or []):
-            raise ValueError(
-                "DFlash2DraftModel checkpoints (convolutions + candidate selector) are not "
-                "supported; only DFlashDraftModel is"
-            )
+        other = next((a for a in self.architectures or []
+                      if a in BLOCK_DRAFTERS and a != self.architecture), None)
+        if other is not None:
+            raise ValueError(f"the checkpoint is a {other}, not a {self.architecture}: load it "
+                             f"with --drafter {BLOCK_DRAFTERS[other]}")
         if self.hidden_act != "silu":
             raise ValueError(f"DFlash drafter hidden_act {self.hidden_act!r} is not supported")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
@@ -312,13 +324,15 @@ class DecoderLayer(nn.Module):
 class DFlashModel(nn.Module):
     """The drafter. `own_embed`/`own_head`: the checkpoint carries embed_tokens/lm_head."""
 
+    layer_class = DecoderLayer
+
     def __init__(self, args: DFlashConfig, *, own_embed: bool = False, own_head: bool = False):
         super().__init__()
         self.args = args
         H = args.hidden_size
         self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.layers = [self.layer_class(args, t) for t in args.layer_types]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if own_embed:
             self.embed_tokens = nn.Embedding(args.vocab_size, H)
@@ -430,9 +444,10 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def check_weights(args: DFlashConfig, weights: dict[str, mx.array]) -> DFlashModel:
+def check_weights(args: DFlashConfig, weights: dict[str, mx.array],
+                  model_class: type = DFlashModel) -> DFlashModel:
     """Build the model the weights describe; name any missing, wrong-shaped or unexpected one."""
-    model = DFlashModel(
+    model = model_class(
         args,
         own_embed="embed_tokens.weight" in weights,
         own_head="lm_head.weight" in weights,
@@ -462,7 +477,8 @@ def check_weight_shapes(args: DFlashConfig, expected: dict[str, tuple], weights:
         problems.append(f"unexpected weights: {', '.join(unexpected)}")
     if problems:
         raise ValueError(
-            f"DFlash checkpoint does not match its config.json (hidden {args.hidden_size}, "
+            f"{type(args).__name__.removesuffix('Config')} checkpoint does not match its "
+            f"config.json (hidden {args.hidden_size}, "
             f"{args.num_hidden_layers} layers): " + ". ".join(problems)
         )
 

@@ -94,29 +94,27 @@ def write_random_drafter(path: Path) -> None:
     safetensors.torch.save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
-@torch.inference_mode()
-def main():
-    torch.manual_seed(0)
-    drafter_dir = OUT / "drafter"
-    write_random_drafter(drafter_dir)
-    model = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
-    assert model.layers[0].self_attn.sliding_window == 5, "reference lost the sliding window"
-
+def random_target() -> tuple[TinyTarget, dict]:
+    """The tiny target (normal embeddings, a head sharp enough to rank), and its tensors."""
     target = TinyTarget()
     torch.nn.init.normal_(target.embed_tokens.weight)
     torch.nn.init.normal_(target.lm_head.weight, std=4 * H**-0.5)
-    tensors = {"embed_tokens": target.embed_tokens.weight, "lm_head": target.lm_head.weight}
+    return target, {"embed_tokens": target.embed_tokens.weight, "lm_head": target.lm_head.weight}
 
+
+def drive(model, target):
+    """The STEPS as dflash_generate runs them: new context features and one block per step,
+    context + block positions, the draft cache cropped after. Yields (i, the step's record,
+    features, block, the block's hidden states of slots 1..)."""
     position_ids = torch.arange(64)[None]
     cache = _make_cache(model.config)
     scale = float(_draft_value(model.config, "input_embedding_scale", 1.0))
-    start, steps = 0, []
+    start = 0
     for i, (new, length) in enumerate(STEPS):
         start += new  # positions start-new .. start-1 were just committed
         features = torch.randn(1, new, len(LAYER_IDS) * H)
         block = torch.full((1, length), MASK, dtype=torch.long)
         block[0, 0] = int(torch.randint(0, VOCAB - 1, ()))
-        # As dflash_generate: embeddings of the block, context + block positions, crop after.
         hidden = model(
             target_hidden=features,
             noise_embedding=_raw_input_embeddings(target, block, scale),
@@ -125,24 +123,38 @@ def main():
             use_cache=True,
         )[:, 1 - length :, :]
         _crop_to(cache, start)
+        yield i, {"new_context": new, "start": start, "block_length": length,
+                  "pending": int(block[0, 0])}, features, block, hidden
+
+
+@torch.inference_mode()
+def main():
+    torch.manual_seed(0)
+    drafter_dir = OUT / "drafter"
+    write_random_drafter(drafter_dir)
+    model = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    assert model.layers[0].self_attn.sliding_window == 5, "reference lost the sliding window"
+
+    target, tensors = random_target()
+    steps = []
+    for i, step, features, block, hidden in drive(model, target):
         logits = model.compute_logits(hidden, _output_head(target))[0]
         tensors[f"features_{i}"] = features[0]
         tensors[f"logits_{i}"] = logits
-        steps.append({"new_context": new, "start": start, "block_length": length,
-                      "pending": int(block[0, 0])})
+        steps.append(step)
 
     tensors = {k: v.detach().float().contiguous() for k, v in tensors.items()}
-    safetensors.torch.save_file(tensors, OUT / "reference.safetensors")
-    meta = {
-        "steps": steps,
-        "mask_token_id": MASK,
-        "made_with": {"dflash": dflash.__version__ if hasattr(dflash, "__version__") else "0.1.0",
-                      "torch": torch.__version__, "transformers": transformers.__version__},
-    }
-    (OUT / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
-    total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
-    print(f"wrote {OUT} ({total / 1024:.0f} KiB)")
+    save_reference(OUT, tensors, {"steps": steps, "mask_token_id": MASK})
 
+
+def save_reference(out: Path, tensors: dict, meta: dict) -> None:
+    """reference.safetensors and reference.json (`meta` and the versions that made them)."""
+    safetensors.torch.save_file(tensors, out / "reference.safetensors")
+    meta["made_with"] = {"dflash": getattr(dflash, "__version__", "0.1.0"),
+                         "torch": torch.__version__, "transformers": transformers.__version__}
+    (out / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({total / 1024:.0f} KiB)")
 
 if __name__ == "__main__":
     main()

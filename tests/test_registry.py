@@ -46,7 +46,14 @@ def checkpoints(tiny_dir, tmp_path_factory):
     from test_medusa import write_heads
 
     medusa = write_heads(tmp_path_factory.mktemp("medusa"), hidden=64, vocab=49152)
-    return {"draft": tiny_dir, "dflash": dflash, "eagle3": eagle3, "medusa": medusa}
+    from test_dflash2 import dflash2_config, dflash2_weights
+
+    config2 = dflash2_config(vocab=49152, hidden=64, target_layers=1, num_hidden_layers=1,
+                             layer_types=["full_attention"], target_layer_ids=[0],
+                             mask_token_id=0)
+    dflash2 = save_drafter(tmp_path_factory.mktemp("dflash2"), config2, dflash2_weights(config2))
+    return {"draft": tiny_dir, "dflash": dflash, "dflash2": dflash2, "eagle3": eagle3,
+            "medusa": medusa}
 
 
 def choices(command, name="drafter"):

@@ -20,7 +20,14 @@ import mlx.nn as nn
 
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..backends.mlx.hidden_states import decoder_layers
-from ..models.dflash import DFlashConfig, check_weights, read_config, read_draft_vocab, read_weights
+from ..models.dflash import (
+    DFlashConfig,
+    DFlashModel,
+    check_weights,
+    read_config,
+    read_draft_vocab,
+    read_weights,
+)
 from ..request import check_drafter_window
 from ..sampling import SamplingConfig
 from ..backends.mlx.target_parts import (
@@ -173,9 +180,14 @@ class DFlashDrafting(Drafter):
     def block_logits(self, tokens: list[int], num_draft: int):
         """Logits (num_draft, V) for block slots 1..num_draft after `tokens` (pending last), V
         running over the draft vocabulary when there is one."""
+        return self._slot_logits(self.block_hidden(tokens, num_draft))[0]
+
+    def block_hidden(self, tokens: list[int], num_draft: int):
+        """The drafter's final-normed hidden states (1, 1 + num_draft, H) over the block
+        [pending, MASK x num_draft] after `tokens`."""
         self._rewind(len(tokens) - 1)
         block = self._ids([tokens[-1]] + [self.args.mask_token_id] * num_draft)  # (1, L)
-        return self._slot_logits(self.model(self._embed(block), self.cache))[0]
+        return self.model(self._embed(block), self.cache)
 
     def _embed(self, blocks):
         """Block token ids (B, L) -> the drafter's input embeddings (B, L, H)."""
@@ -197,7 +209,16 @@ class DFlashDrafting(Drafter):
             return EMPTY_DRAFT
         if self.tree_budget is not None:
             return self._propose_tree(tokens, num_draft, k)
-        return Draft(tokens=self._target_ids(self._best(self.block_logits(tokens, num_draft))))
+        return self._block_drafts(self.block_hidden(tokens, num_draft), [tokens[-1]],
+                                  [num_draft], [sampling])[0]
+
+    def _block_drafts(self, hidden, pending: list[int], sizes: list[int],
+                      samplings: list) -> list[Draft]:
+        """Blocks' hidden states (B, L, H) after each row's pending token -> each row's chain
+        of its first sizes[i] slots: each slot's argmax (one-hot p, so sampling stays exact
+        through the one-hot rule)."""
+        best = self._target_ids(self._best(self._slot_logits(hidden)))  # (B, L - 1)
+        return [Draft(tokens=best[i, :n]) if n > 0 else EMPTY_DRAFT for i, n in enumerate(sizes)]
 
     def _propose_tree(self, tokens: list[int], slots: int, budget: int) -> Draft:
         """The block's slots' best tokens, read to the host (the tree's shape depends on their
@@ -224,7 +245,8 @@ class DFlashDrafter(DFlashDrafting):
     @staticmethod
     def propose_together(drafters, tokens, ks, samplings):
         """Every row's block in one pass of the drafter: the rows' blocks right-padded to the
-        longest, each attending to its own context (DFlashModel.rows), then one head."""
+        longest, each attending to its own context (DFlashModel.rows), then one head
+        (`_block_drafts`, over every row at once)."""
         first = drafters[0]
         sizes = [max(min(k, d.block_size - 1), 0) for d, k in zip(drafters, ks)]
         if not any(sizes):
@@ -236,9 +258,7 @@ class DFlashDrafter(DFlashDrafting):
         blocks = mx.array([[t[-1]] + [mask] * (width - 1) for t in tokens], dtype=mx.int32)
         hidden = first.model.rows(first._embed(blocks), [d.cache for d in drafters],
                                   [1 + n for n in sizes])
-        best = first._target_ids(first._best(first._slot_logits(hidden)))  # (rows, width - 1)
-        return [Draft(tokens=best[i, :n]) if n > 0 else EMPTY_DRAFT
-                for i, n in enumerate(sizes)]
+        return first._block_drafts(hidden, [t[-1] for t in tokens], sizes, samplings)
 
     def _ids(self, tokens: list[int]) -> mx.array:
         return mx.array(tokens, dtype=mx.int32)[None]
@@ -274,7 +294,8 @@ def check_block_size(block_size: int | None, trained: int) -> int:
 
 
 def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_vocab: bool,
-                    tree_budget: int | None, tree_width: int, window: int | None = None):
+                    tree_budget: int | None, tree_width: int, window: int | None = None,
+                    config_class: type = DFlashConfig):
     """A DFlash checkpoint's directory (a Hub repo id resolved through the Hugging Face cache;
     HF_HUB_OFFLINE applies), config, and the drafter's options (block size, tree, the draft
     vocabulary: None without one or when `draft_vocab` is False), each checked, and the config
@@ -285,7 +306,7 @@ def read_checkpoint(path, sizes: TargetSizes, *, block_size: int | None, draft_v
         from ..converters.hf import resolve_hf_source  # repo ids, through the Hub cache
 
         path = resolve_hf_source(str(path))
-    args = DFlashConfig.from_dict(read_config(path))
+    args = config_class.from_dict(read_config(path))
     check_against_target(args, sizes)
     check_block_size(block_size, args.block_size)
     if check_drafter_window(window) is not None:
@@ -315,8 +336,16 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
                                           draft_vocab=draft_vocab, tree_budget=tree_budget,
                                           tree_width=tree_width, window=window)
+    drafter_model, parts = load_checked_model(path, args, model, dtype)
+    return DFlashDrafter(drafter_model, **parts, **options)
+
+
+def load_checked_model(path, args, model, dtype, model_class=DFlashModel):
+    """A block drafter's model with its weights, checked against `args` (read_checkpoint's),
+    in `dtype` (None: as stored; "target": the target's), and the target's parts it drafts
+    with: its embedding and head unless the checkpoint has its own, its final norm."""
     weights = read_weights(path)
-    drafter_model = check_weights(args, weights)
+    drafter_model = check_weights(args, weights, model_class)
     if dtype == "target":  # e.g. a bf16-stored drafter on an fp32 CPU target
         dtype = dtype_of(target_head(model))
     if dtype is not None:
@@ -328,11 +357,9 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     head = getattr(drafter_model, "lm_head", None)
     if head is None and embed is not None and args.tie_word_embeddings:
         head = embed.as_linear
-    return DFlashDrafter(
-        drafter_model,
+    return drafter_model, dict(
         embed_tokens=embed if embed is not None else target_embedding(model),
         lm_head=head if head is not None else target_head(model),
         final_norm=target_final_norm(model),
         target_layers=len(decoder_layers(model)),
-        **options,
     )

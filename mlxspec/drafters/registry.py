@@ -258,14 +258,23 @@ def sizes_and_checksum(model):
     return backend.target_sizes(model), lambda: backend.embedding_checksum(model)
 
 
-def check_dflash_checkpoint(path, model) -> None:
-    """A DFlash config against the target, on either backend, naming both sides."""
-    from ..converters.hf import resolve_hf_source
-    from ..models.dflash import DFlashConfig, read_config
-    from ..target_sizes import check_against_target
+def block_checkpoint_check(module: str, config_class: str) -> Callable[[Any, Any], None]:
+    """(path, model) -> None: a block drafter's config (DFlash's layout; `config_class` of
+    `module` reads it) against the target, on either backend, naming both sides."""
 
-    sizes, _ = sizes_and_checksum(model)
-    check_against_target(DFlashConfig.from_dict(read_config(resolve_hf_source(path))), sizes)
+    def check(path, model) -> None:
+        from ..converters.hf import resolve_hf_source
+        from ..models.dflash import read_config
+        from ..target_sizes import check_against_target
+
+        reader = getattr(importlib.import_module(module), config_class)
+        sizes, _ = sizes_and_checksum(model)
+        check_against_target(reader.from_dict(read_config(resolve_hf_source(path))), sizes)
+
+    return check
+
+
+check_dflash_checkpoint = block_checkpoint_check("mlxspec.models.dflash", "DFlashConfig")
 
 
 def shipped(kind: str) -> Callable[[Any], Any]:
@@ -293,10 +302,13 @@ TREE_WIDTH = DrafterOption(
     help="With --tree-budget: the most children a tree node may have (DFlash, Medusa: the best "
          "tokens of each block slot or head; EAGLE-3, MTP: each expanded node's best tokens, and nodes "
          "expanded per depth).")
+BLOCK_SIZE = DrafterOption(
+    "block_size", "--block-size", type=int,
+    help="DFlash, DFlash2: block size (2 .. the checkpoint's; default: the checkpoint's).")
 DRAFTER_WINDOW = DrafterOption(
     "window", "--drafter-window", type=int, minimum=2,
-    help="DFlash, EAGLE-3, MTP, draft: the drafter sees at most the last N context positions "
-         "(DFlash: every layer, narrowing the checkpoint's own sliding window; EAGLE-3, MTP: "
+    help="DFlash, DFlash2, EAGLE-3, MTP, draft: the drafter sees at most the last N context positions "
+         "(DFlash, DFlash2: every layer, narrowing the checkpoint's own sliding window; EAGLE-3, MTP: "
          "their layers' caches; a draft model: every attention layer): its cost stops "
          "growing with a long context. Output is the same either way.")
 
@@ -339,9 +351,7 @@ register(DrafterKind(
     {"mlx": lazy("mlxspec.drafters.dflash", "load_dflash_drafter"),
      "torch": lazy("mlxspec.backends.torch.dflash", "load_dflash_drafter")},
     options=(
-        DrafterOption(
-            "block_size", "--block-size", type=int,
-            help="DFlash block size (2 .. the checkpoint's; default: the checkpoint's)."),
+        BLOCK_SIZE,
         DrafterOption(
             "draft_vocab", "--draft-vocab/--full-vocab", default=True,
             help="DFlash: draft from the checkpoint's draft vocabulary (draft_vocab.json, the "
@@ -357,6 +367,19 @@ register(DrafterKind(
         shipped=shipped("dflash"),
         shipped_note="mlxspec ships one only for the default SmolLM2-135M-Instruct",
         shipped_options={"mlx": {"dtype": "target"}},  # stored in bf16 to keep the package small
+    ),
+))
+register(DrafterKind(
+    "dflash2",
+    {"mlx": lazy("mlxspec.drafters.dflash2", "load_dflash2_drafter")},
+    options=(
+        BLOCK_SIZE,
+        DRAFTER_WINDOW,
+    ),
+    checkpoint=Checkpoint(
+        "a DFlash2 drafter checkpoint trained for this target (z-lab's DFlash2DraftModel "
+        "layout)",
+        check=block_checkpoint_check("mlxspec.models.dflash2", "DFlash2Config"),
     ),
 ))
 register(DrafterKind(

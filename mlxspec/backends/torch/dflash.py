@@ -264,7 +264,9 @@ class TorchDFlashDrafter(DFlashDrafting):
 
     begin = torch.inference_mode()(DFlashDrafting.begin)
     commit = torch.inference_mode()(DFlashDrafting.commit)
+    propose = torch.inference_mode()(DFlashDrafting.propose)
     block_logits = torch.inference_mode()(DFlashDrafting.block_logits)
+    block_hidden = torch.inference_mode()(DFlashDrafting.block_hidden)
     _propose_tree = torch.inference_mode()(DFlashDrafting._propose_tree)
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
