@@ -274,6 +274,15 @@ def test_rolled_back_context_drafts_as_before(target, drafter_dir):
     assert drafter.propose(tokens, 4, GREEDY).tokens.tolist() == before
 
 
+def test_a_drafter_window_narrows_every_layer_and_changes_no_output(target, drafter_dir):
+    windows = lambda d: [layer.self_attn.window for layer in d.model.layers]  # noqa: E731
+    assert windows(load_dflash2_drafter(drafter_dir, model=target)) == [4, None]
+    narrow = load_dflash2_drafter(drafter_dir, model=target, window=2)
+    assert windows(narrow) == [2, 2]
+    for prompt in PROMPTS:
+        assert run(target, narrow, prompt)[0] == run(target, Drafter(), prompt)[0]
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_rows_of_a_batch_draft_in_one_pass_as_each_alone(target, drafter_dir, sampled):
     drafter = load_dflash2_drafter(drafter_dir, model=target)

@@ -34,6 +34,7 @@ def targets(smollm_dir, tmp_path_factory):
 def checkpoints(targets, tmp_path_factory):
     """A checkpoint that fits the llama for each model drafter that reads one."""
     from test_dflash import drafter_config, random_weights, save_drafter
+    from test_dflash2 import dflash2_config, dflash2_weights
     from test_eagle3 import make_drafter_dir
     from test_medusa import write_heads
 
@@ -41,9 +42,13 @@ def checkpoints(targets, tmp_path_factory):
     config = drafter_config(vocab=49152, hidden=64, target_layers=2, num_hidden_layers=1,
                             layer_types=["full_attention"], target_layer_ids=[0, 1],
                             mask_token_id=0)
+    config2 = dflash2_config(vocab=49152, hidden=64, target_layers=2, num_hidden_layers=1,
+                             layer_types=["full_attention"], target_layer_ids=[0, 1],
+                             mask_token_id=0)
     return {
         "draft": targets["llama"][0],
         "dflash": save_drafter(root / "dflash", config, random_weights(config)),
+        "dflash2": save_drafter(root / "dflash2", config2, dflash2_weights(config2)),
         "eagle3": make_drafter_dir(root / "eagle3", vocab=49152, draft_ids=list(range(64)),
                                    hidden=64, target_hidden=64, ids=(1, 2, 2)),
         "medusa": write_heads(root / "medusa", hidden=64, vocab=49152),
