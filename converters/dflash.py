@@ -1,4 +1,4 @@
-"""Convert a released DFlash or DFlash2 drafter (z-lab format) into a checked, MLX-loadable
+"""Convert a released DFlash, DFlash2 (z-lab format) or DSpark drafter into a checked, MLX-loadable
 directory.
 
 The layout stays z-lab's (config.json + safetensors with their names), so the result is still a
@@ -32,7 +32,8 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 
 
 def is_dflash_checkpoint(path: str | Path) -> bool:
-    """True for a directory whose config.json names DFlashDraftModel or has a dflash_config.
+    """True for a directory whose config.json names a block drafter (DFlash, DFlash2, DSpark)
+    or has a dflash_config.
 
     A config.json that is not a JSON object raises ValueError naming it: no converter could
     read it, and guessing "not DFlash" would only move the error somewhere vaguer.
@@ -41,15 +42,21 @@ def is_dflash_checkpoint(path: str | Path) -> bool:
     if not config_path.is_file():
         return False
     config = read_json_object(config_path)
-    return ARCHITECTURE in (config.get("architectures") or []) or "dflash_config" in config
+    architectures = config.get("architectures") or []
+    return any(a in BLOCK_DRAFTERS for a in architectures) or "dflash_config" in config
 
 
 def _classes(config: dict) -> tuple[type, type]:
     """(config class, model class) of the block drafter the config's architectures name."""
-    if any(BLOCK_DRAFTERS.get(a) == "dflash2" for a in config.get("architectures") or []):
+    kinds = {BLOCK_DRAFTERS.get(a) for a in config.get("architectures") or []}
+    if "dflash2" in kinds:
         from ..models.dflash2 import DFlash2Config, DFlash2Model
 
         return DFlash2Config, DFlash2Model
+    if "dspark" in kinds:
+        from ..models.dspark import DSparkConfig, DSparkModel
+
+        return DSparkConfig, DSparkModel
     return DFlashConfig, DFlashModel
 
 
@@ -79,6 +86,8 @@ def convert_dflash(
     args = config_class.from_dict(config)
     draft_vocab = read_draft_vocab(path, args.vocab_size)
     weights = read_weights(path)
+    if hasattr(args, "read_head_width"):  # DSpark: a config may leave its head's input out
+        args.read_head_width({name: w.shape for name, w in weights.items()})
     check_weights(args, weights, model_class)
     if dtype is not None:
         weights = {

@@ -106,11 +106,12 @@ class DFlashConfig:
         return cls(**{k: v for k, v in params.items() if k in names})
 
     architecture: ClassVar[str] = ARCHITECTURE
+    kind: ClassVar[str] = "dflash"  # the --drafter that loads it
     draft_keys: ClassVar[tuple[str, ...]] = _DRAFT_KEYS
 
     def __post_init__(self):
         other = next((a for a in self.architectures or []
-                      if a in BLOCK_DRAFTERS and a != self.architecture), None)
+                      if BLOCK_DRAFTERS.get(a, self.kind) != self.kind), None)
         if other is not None:
             raise ValueError(f"the checkpoint is a {other}, not a {self.architecture}: load it "
                              f"with --drafter {BLOCK_DRAFTERS[other]}")
@@ -165,7 +166,8 @@ class DFlashConfig:
 def rope_for(args):
     """mlx-lm's RoPE module for a drafter config's one rope dict (`args.rope`: its type, theta
     and scaling), as DFlash and EAGLE-3 drafters both use it."""
-    return initialize_rope(args.head_dim, args.rope["rope_theta"], traditional=False,
+    traditional = not getattr(args, "rope_is_neox_style", True)  # LFM2.5's DSpark: interleaved
+    return initialize_rope(args.head_dim, args.rope["rope_theta"], traditional=traditional,
                            scaling_config=args.rope,
                            max_position_embeddings=args.max_position_embeddings)
 

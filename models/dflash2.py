@@ -35,6 +35,7 @@ class DFlash2Config(DFlashConfig):
     selector_top_k: int | None = None
 
     architecture: ClassVar[str] = ARCHITECTURE
+    kind: ClassVar[str] = "dflash2"
     draft_keys: ClassVar[tuple[str, ...]] = _DRAFT_KEYS + (
         "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 

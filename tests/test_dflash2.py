@@ -8,30 +8,27 @@ a wrong one), and the context cache must be what the committed tokens' features 
 """
 
 import re
-from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from test_dflash import GREEDY, PROMPTS, drafter_config, run, save_drafter, target  # noqa: F401
-from test_sampling_exactness import (
-    LENGTH,
-    PROMPT,
-    SAMPLES,
-    SAMPLING,
-    VOCAB,
-    chi_squared_pvalue,
-    exact_distribution,
+from block_drafters import (
+    assert_context_is_a_fresh_build,
+    forks_begun,
+    assert_cli_api_batch_and_server_are_plain,
+    assert_loads_exactly_its_weights,
+    sampled_pvalue,
+    started,
 )
+from test_sampling_exactness import VOCAB
 from tiny_models import tiny_llama
 
-import mlxspec
-from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.drafters import load_drafter
 from mlxspec.drafters.dflash import load_dflash_drafter
 from mlxspec.drafters.dflash2 import DFlash2Drafter, load_dflash2_drafter
-from mlxspec.engine import Drafter, SpecStats, Verdict, speculative_tokens
+from mlxspec.engine import Drafter, Verdict
 from mlxspec.models import dflash2 as dflash2_model
 from mlxspec.models.dflash2 import DFlash2Config, DFlash2Model, grouped_convolve
 from mlxspec.sampling import SamplingConfig
@@ -80,24 +77,14 @@ def drafter_dir(tmp_path_factory):
     return make_dflash2_dir(tmp_path_factory.mktemp("dflash2"), seed=3)
 
 
-def started(drafter, target, prompt):
-    features = MLXTarget(target, capture_layers=drafter.capture_layers).prefill(prompt)
-    drafter.begin(prompt, features)
-    return features
-
-
 # ---- the layout ---------------------------------------------------------------------------------
 
 
 def test_the_released_layout_loads_exactly_its_weights(target, drafter_dir):
     drafter = load_drafter("dflash2", str(drafter_dir), model=target, tokenizer=None)
     assert isinstance(drafter, DFlash2Drafter) and drafter.name == "dflash2"
-    stored = mx.load(str(drafter_dir / "model.safetensors"))
-    loaded = dict(tree_flatten(drafter.model.parameters()))
-    assert sorted(stored) == sorted(loaded)
+    stored = assert_loads_exactly_its_weights(drafter, drafter_dir)
     assert "candidate_selector.predecessor_codebook" in stored  # z-lab's name, no `.weight`
-    for name, value in stored.items():
-        assert mx.array_equal(loaded[name], value).item(), name
 
 
 @pytest.mark.parametrize("problem,words", [
@@ -252,16 +239,8 @@ def test_greedy_identity_when_every_draft_is_rejected(target, drafter_dir, monke
 
 def test_context_cache_equals_fresh_build(target, drafter_dir):
     drafter = load_dflash2_drafter(drafter_dir, model=target)
-    prompt = PROMPTS[0]
-    out, stats = run(target, drafter, prompt, max_tokens=30)
-    committed = prompt + out
-    drafter._rewind(len(committed) - 1)
-    fresh_features = MLXTarget(target, capture_layers=drafter.capture_layers).prefill(committed)
-    fresh = drafter.model.make_cache()
-    drafter.model.append_context(fresh_features, fresh)
-    for ours, theirs in zip(drafter.cache, fresh):
-        for a, b in zip(ours.keys_and_values(), theirs.keys_and_values()):
-            assert mx.allclose(a, b, atol=1e-4).item()
+    out, _ = run(target, drafter, PROMPTS[0], max_tokens=30)
+    assert_context_is_a_fresh_build(drafter, target, PROMPTS[0] + out)
 
 
 def test_rolled_back_context_drafts_as_before(target, drafter_dir):
@@ -289,11 +268,7 @@ def test_rows_of_a_batch_draft_in_one_pass_as_each_alone(target, drafter_dir, sa
     prompts = [PROMPTS[2], PROMPTS[3], PROMPTS[0], PROMPTS[1]]
     ks = [5, 2, 9, 1]
     samplings = [SamplingConfig(temp=0.7) if sampled and i % 2 else GREEDY for i in range(4)]
-    forks, alone = [drafter.fork() for _ in prompts], [drafter.fork() for _ in prompts]
-    for prompt, f, a in zip(prompts, forks, alone):
-        features = MLXTarget(target, capture_layers=drafter.capture_layers).prefill(prompt)
-        f.begin(prompt, features)
-        a.begin(prompt, features)
+    forks, alone = forks_begun(drafter, target, prompts)
     together = DFlash2Drafter.propose_together(forks, prompts, ks, samplings)
     for prompt, draft, k, a, s in zip(prompts, together, ks, alone, samplings):
         assert len(draft) == min(k, drafter.block_size - 1)
@@ -323,55 +298,12 @@ def smollm_dflash2(smollm_dir, tmp_path_factory):
 
 
 def test_cli_api_and_server_give_plain_decodings_text(smollm_dir, smollm, smollm_dflash2):
-    from test_cli import QUESTION, gen, ok
-    from test_server import Running
-
-    from mlxspec.server import make_server
-
-    target_dir, drafter_dir = smollm_dir, smollm_dflash2
-    flags = ("--model", str(target_dir), "--temp", "0", "--max-tokens", "12")
-    plain = ok(gen(*flags))
-    spec = ok(gen(*flags, "--drafter", "dflash2", "--drafter-model", str(drafter_dir)))
-    assert spec.stdout == plain.stdout and plain.stdout.strip()
-
-    model, tokenizer = smollm
-    drafter = load_drafter("dflash2", str(drafter_dir), model=model, tokenizer=tokenizer)
-    prompts = ["def f(x):", QUESTION]
-    alone = [mlxspec.generate(model, tokenizer, p, max_tokens=12) for p in prompts]
-    assert [mlxspec.generate(model, tokenizer, p, max_tokens=12, drafter=drafter)
-            for p in prompts] == alone
-    batch = mlxspec.batch_generate(model, tokenizer, prompts, 12, drafter=drafter)
-    assert batch.texts == alone
-
-    import openai
-
-    server = make_server(model, tokenizer, drafter="dflash2", draft_model=str(drafter_dir),
-                         max_batch=2)
-    running = Running(server)
-    try:
-        api = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
-        reply = api.completions.create(model="model", prompt=prompts[0], max_tokens=12,
-                                       temperature=0, extra_body={"drafter": "dflash2"})
-        assert reply.choices[0].text == alone[0]
-        assert reply.usage.model_extra["mlxspec"]["drafter"] == "dflash2"
-    finally:
-        running.stop()
+    assert_cli_api_batch_and_server_are_plain("dflash2", smollm_dir, smollm, smollm_dflash2)
 
 
 @pytest.fixture(scope="module")
 def small_vocab_target():
     return tiny_llama(vocab=VOCAB, seed=11, sharpness=2.5)
-
-
-def sampled_counts(model, drafter) -> tuple[Counter, SpecStats]:
-    mx.random.seed(1234)
-    counts, stats = Counter(), SpecStats()
-    for _ in range(SAMPLES):
-        target = MLXTarget(model, capture_layers=drafter.capture_layers, speculative=True)
-        out = speculative_tokens(target, drafter, PROMPT, sampling=SAMPLING, max_tokens=LENGTH,
-                                 num_draft=2, stats=stats)
-        counts[tuple(t for t, _ in out)] += 1
-    return counts, stats
 
 
 def sampling_drafter(model, tmp_path):
@@ -382,10 +314,7 @@ def sampling_drafter(model, tmp_path):
 
 @pytest.mark.slow  # χ²: thousands of sampled generations
 def test_sampled_output_follows_target_distribution(small_vocab_target, tmp_path):
-    drafter = sampling_drafter(small_vocab_target, tmp_path)
-    counts, stats = sampled_counts(small_vocab_target, drafter)
-    assert 0 < stats.accepted < stats.drafted
-    pvalue = chi_squared_pvalue(counts, exact_distribution(small_vocab_target, SAMPLING))
+    pvalue = sampled_pvalue(small_vocab_target, sampling_drafter(small_vocab_target, tmp_path))
     assert pvalue > 0.001, f"p = {pvalue:.2g}"
 
 
@@ -400,6 +329,5 @@ def test_a_wrong_q_is_caught(small_vocab_target, tmp_path, monkeypatch):
         return true_probs(ids, mx.full(q.shape, 1.0 / q.shape[-1]), vocab_size)
 
     monkeypatch.setattr("mlxspec.drafters.dflash2.proposal_probs", uniform)
-    counts, _ = sampled_counts(small_vocab_target, drafter)
-    pvalue = chi_squared_pvalue(counts, exact_distribution(small_vocab_target, SAMPLING))
+    pvalue = sampled_pvalue(small_vocab_target, drafter, both_ways=False)
     assert pvalue < 0.001, f"p = {pvalue:.2g}"

@@ -35,6 +35,7 @@ def checkpoints(targets, tmp_path_factory):
     """A checkpoint that fits the llama for each model drafter that reads one."""
     from test_dflash import drafter_config, random_weights, save_drafter
     from test_dflash2 import dflash2_config, dflash2_weights
+    from test_dspark import make_dir as dspark_dir
     from test_eagle3 import make_drafter_dir
     from test_medusa import write_heads
 
@@ -49,6 +50,8 @@ def checkpoints(targets, tmp_path_factory):
         "draft": targets["llama"][0],
         "dflash": save_drafter(root / "dflash", config, random_weights(config)),
         "dflash2": save_drafter(root / "dflash2", config2, dflash2_weights(config2)),
+        "dspark": dspark_dir(root / "dspark", "lfm", vocab=49152, hidden=64, target_layers=2,
+                             target_layer_ids=[0, 1], mask_token_id=0),
         "eagle3": make_drafter_dir(root / "eagle3", vocab=49152, draft_ids=list(range(64)),
                                    hidden=64, target_hidden=64, ids=(1, 2, 2)),
         "medusa": write_heads(root / "medusa", hidden=64, vocab=49152),

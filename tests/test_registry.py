@@ -52,8 +52,12 @@ def checkpoints(tiny_dir, tmp_path_factory):
                              layer_types=["full_attention"], target_layer_ids=[0],
                              mask_token_id=0)
     dflash2 = save_drafter(tmp_path_factory.mktemp("dflash2"), config2, dflash2_weights(config2))
-    return {"draft": tiny_dir, "dflash": dflash, "dflash2": dflash2, "eagle3": eagle3,
-            "medusa": medusa}
+    from test_dspark import make_dir as dspark_dir
+
+    dspark = dspark_dir(tmp_path_factory.mktemp("dspark"), "lfm", vocab=49152, hidden=64,
+                        target_layers=1, target_layer_ids=[0], mask_token_id=0)
+    return {"draft": tiny_dir, "dflash": dflash, "dflash2": dflash2, "dspark": dspark,
+            "eagle3": eagle3, "medusa": medusa}
 
 
 def choices(command, name="drafter"):

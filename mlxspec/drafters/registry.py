@@ -307,8 +307,8 @@ BLOCK_SIZE = DrafterOption(
     help="DFlash, DFlash2: block size (2 .. the checkpoint's; default: the checkpoint's).")
 DRAFTER_WINDOW = DrafterOption(
     "window", "--drafter-window", type=int, minimum=2,
-    help="DFlash, DFlash2, EAGLE-3, MTP, draft: the drafter sees at most the last N context positions "
-         "(DFlash, DFlash2: every layer, narrowing the checkpoint's own sliding window; EAGLE-3, MTP: "
+    help="DFlash, DFlash2, DSpark, EAGLE-3, MTP, draft: the drafter sees at most the last N context positions "
+         "(DFlash, DFlash2, DSpark: every layer, narrowing the checkpoint's own sliding window; EAGLE-3, MTP: "
          "their layers' caches; a draft model: every attention layer): its cost stops "
          "growing with a long context. Output is the same either way.")
 
@@ -380,6 +380,16 @@ register(DrafterKind(
         "a DFlash2 drafter checkpoint trained for this target (z-lab's DFlash2DraftModel "
         "layout)",
         check=block_checkpoint_check("mlxspec.models.dflash2", "DFlash2Config"),
+    ),
+))
+register(DrafterKind(
+    "dspark",
+    {"mlx": lazy("mlxspec.drafters.dspark", "load_dspark_drafter")},
+    options=(DRAFTER_WINDOW,),
+    checkpoint=Checkpoint(
+        "a DSpark drafter checkpoint trained for this target (DeepSpec's Qwen3DSparkModel or "
+        "LiquidAI's LFM2.5 layout)",
+        check=block_checkpoint_check("mlxspec.models.dspark", "DSparkConfig"),
     ),
 ))
 register(DrafterKind(
