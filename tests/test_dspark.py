@@ -287,6 +287,15 @@ def test_cli_api_and_server_give_plain_decodings_text(smollm_dir, smollm, smollm
     assert_cli_api_batch_and_server_are_plain("dspark", smollm_dir, smollm, smollm_dspark)
 
 
+def test_the_cli_names_the_drafter_a_block_checkpoint_needs(smollm_dir, smollm_dspark):
+    from test_cli import assert_clean_error, gen
+
+    flags = ("--model", str(smollm_dir), "--drafter-model", str(smollm_dspark))
+    assert_clean_error(gen(*flags, "--drafter", "dflash"), "Lfm2DSparkDraftModel",
+                       "--drafter dspark")
+    assert_clean_error(gen(*flags, "--drafter", "dflash2"), "--drafter dspark")
+
+
 # ---- the confidence head sets K -----------------------------------------------------------------
 
 
