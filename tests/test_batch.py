@@ -383,9 +383,10 @@ def test_real_model_batch_equals_each_prompt_alone(drafter, smollm):
     assert sum(s.accepted for s in out.stats) > 0
 
 
-def test_cli_prompts_file_equals_each_prompt_alone(tmp_path, smollm_dir):
+def test_cli_prompts_file_equals_each_prompt_alone(tmp_path, smollm):
     """`generate --prompts FILE`: a JSON line per prompt, in order, each text what `generate
-    --prompt` prints for that prompt alone."""
+    --prompt` prints for that prompt alone; with --kv-bits, what the API's batch_generate gives
+    with the same kv_bits."""
     import json
 
     from test_cli import ok
@@ -400,13 +401,20 @@ def test_cli_prompts_file_equals_each_prompt_alone(tmp_path, smollm_dir):
         single = ok(invoke("generate", "--prompt", prompt, "--drafter", "lookup", "-n", "16"))
         assert single.stdout[:-1] == line["text"]
         assert line["finish_reason"] in ("stop", "length")
-    quantized = ["--kv-bits", "4", "--kv-group-size", "32"]  # every row's cache quantized
+    # Every row's cache quantized. Quantized batch rows equal each prompt alone on the tiny
+    # models (test_kv_bits); on SmolLM2 at 4 bits a near-tie in the logits flipped on CI's CPU
+    # (other kernels for other batch shapes), so here the CLI is held to the API's batch.
+    model, tokenizer = smollm
     out = ok(invoke("generate", "--prompts", str(path), "--drafter", "lookup", "-n", "16",
-                    *quantized))
-    for prompt, line in zip(prompts, map(json.loads, out.stdout.splitlines())):
-        single = ok(invoke("generate", "--prompt", prompt, "--drafter", "lookup", "-n", "16",
-                           *quantized))
-        assert single.stdout[:-1] == line["text"]
+                    "--kv-bits", "4", "--kv-group-size", "32"))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                           add_generation_prompt=True, tokenize=False)
+             for p in prompts]
+    api = mlxspec.batch_generate(model, tokenizer, texts, 16, drafter="lookup", kv_bits=4,
+                                 kv_group_size=32)
+    assert [json.loads(line)["text"] for line in out.stdout.splitlines()] == api.texts
+    plain = mlxspec.batch_generate(model, tokenizer, texts, 16, drafter="lookup")
+    assert api.token_ids != plain.token_ids  # the cache was quantized
 
 
 class FixedDrafts(Drafter):
