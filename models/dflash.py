@@ -315,11 +315,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x, rope, start, context):
-        h = x + self.self_attn(self.input_layernorm(x), rope, start, context)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.around(x, lambda n: self.self_attn(n, rope, start, context))
 
     def rows(self, x, rope, rows):
-        h = x + self.self_attn.rows(self.input_layernorm(x), rope, rows)
+        return self.around(x, lambda n: self.self_attn.rows(n, rope, rows))
+
+    def around(self, x, attend):
+        """The layer around an attention `attend` (normed input -> output): the inference
+        paths' and training's (mlxspec.training.dflash_trainer), one body for every kind."""
+        h = x + attend(self.input_layernorm(x))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -104,14 +104,9 @@ class DecoderLayer2(DecoderLayer):
         self.attention_conv = GroupedDynamicCausalConv(*conv)
         self.mlp_conv = GroupedDynamicCausalConv(*conv)
 
-    def __call__(self, x, rope, start, context):
-        return self._layer(x, lambda n: self.self_attn(n, rope, start, context))
+    # rows: right-padded rows, and a causal convolution leaves each row's slots as alone.
 
-    def rows(self, x, rope, rows):
-        # Right-padded rows: a causal convolution leaves each row's own slots as they are alone.
-        return self._layer(x, lambda n: self.self_attn.rows(n, rope, rows))
-
-    def _layer(self, x, attend):
+    def around(self, x, attend):
         n, taps = self.attention_conv.prepare(self.input_layernorm(x))
         h = x + self.attention_conv.finish(attend(n), taps)
         m, taps = self.mlp_conv.prepare(self.post_attention_layernorm(h))

@@ -50,7 +50,7 @@ from ..models.dflash import (
 from ..backends.mlx.target_parts import target_embedding, target_final_norm, target_head, target_sizes
 from ..target_sizes import check_against_target
 from .data import _atomic_write_text, eos_ids
-from .features import head_weight, raw_features_of, sequence_features
+from .features import features_batch, head_weight, raw_features_of, sequence_features
 from .run import (  # noqa: F401  (answer_share .. trainable_ids: imported from here by callers)
     FIT_HORIZON,
     MLXTraining,
@@ -259,9 +259,8 @@ def block_hidden(model: DFlashModel, features: mx.array, block_embeddings: mx.ar
     h = block_embeddings.astype(model.dtype)
     anchors = anchors.astype(mx.int32)
     for layer in model.layers:
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), ctx, anchors, model.rope,
-                           seq_len)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = layer.around(h, lambda n, attn=layer.self_attn:
+                         _attention(attn, n, ctx, anchors, model.rope, seq_len))
     return model.norm(h)
 
 
@@ -309,6 +308,27 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, count
     return np.sort(rng.choice(np.arange(lo, hi), size=min(count, hi - lo), replace=False))
 
 
+def slot_labels(tokens, anchors, first: int, count: int, lm_head, labels=None):
+    """(labels, valid) (N, count) of block slots whose labels sit at positions a+first ..
+    a+first+count-1 of each anchor a: `labels` by position (default the tokens themselves);
+    valid where inside the sequence and, with a `SubsetHead`, in its vocabulary (then labels
+    are its rows)."""
+    L = tokens.shape[0]
+    idx = anchors[:, None] + mx.arange(first, first + count)[None]
+    valid = idx < L
+    labels = (tokens if labels is None else labels)[mx.minimum(idx, L - 1)]
+    if isinstance(lm_head, SubsetHead):
+        labels = lm_head.label_map[labels]
+        valid = valid & (labels >= 0)
+        labels = mx.maximum(labels, 0)
+    return labels, valid
+
+
+def decayed(valid: mx.array, gamma: float) -> mx.array:
+    """Slot weights exp(-k/gamma) for slots k = 0.. of the labels, zero where not valid."""
+    return mx.exp(-mx.arange(valid.shape[1], dtype=mx.float32) / gamma)[None] * valid
+
+
 def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma, labels=None):
     """(sum of weighted CE, sum of weights, correct slot-1 predictions) for one sequence.
     `labels`: the label of each position (default: the tokens themselves).
@@ -316,16 +336,9 @@ def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma
     bs = model.args.block_size
     logits = training_logits(model, features, tokens, anchors,
                              embed_tokens=embed_tokens, lm_head=lm_head).astype(mx.float32)
-    L = tokens.shape[0]
-    idx = anchors[:, None] + mx.arange(1, bs)[None]
-    valid = idx < L
-    labels = (tokens if labels is None else labels)[mx.minimum(idx, L - 1)]
-    if isinstance(lm_head, SubsetHead):
-        labels = lm_head.label_map[labels]
-        valid = valid & (labels >= 0)
-        labels = mx.maximum(labels, 0)
+    labels, valid = slot_labels(tokens, anchors, 1, bs - 1, lm_head, labels)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
-    weights = mx.exp(-mx.arange(bs - 1, dtype=mx.float32) / gamma)[None] * valid
+    weights = decayed(valid, gamma)
     correct = ((mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]) & valid[:, 0]).sum()
     return (ce * weights).sum(), weights.sum(), correct
 
@@ -333,18 +346,19 @@ def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma
 # ---- Checkpoints ----------------------------------------------------------------------------
 
 
-def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target,
-                   draft_vocab=None) -> DFlashDrafter:
+def export_drafter(args: DFlashConfig, weights: dict, inv_scale, target, draft_vocab=None,
+                   model_class=DFlashModel, drafter_class=DFlashDrafter) -> DFlashDrafter:
     """An inference drafter with the given training weights (scale folded), for τ measurement;
     it drafts from `draft_vocab` (the loss vocabulary) as the written checkpoint will."""
-    copy = DFlashModel(args)
+    copy = model_class(args)
     copy.load_weights(list(fold_feature_scale(weights, inv_scale).items()))
     mx.eval(copy.parameters())
     copy.eval()
-    return DFlashDrafter(
+    vocab = {} if draft_vocab is None else {"draft_vocab": draft_vocab}
+    return drafter_class(
         copy, embed_tokens=target_embedding(target), lm_head=target_head(target),
         final_norm=target_final_norm(target), target_layers=len(decoder_layers(target)),
-        draft_vocab=draft_vocab,
+        **vocab,
     )
 
 
@@ -368,10 +382,12 @@ class MLXDFlashTraining(MLXTraining):
     (The torch twin is mlxspec.backends.torch.dflash_training; the loop is training.run.train.)"""
 
     def __init__(self, target, args: DFlashConfig, weights: dict, *, schedule, weight_decay,
-                 grad_clip, gamma, loss_ids, inv_scale, labels="text"):
+                 grad_clip, gamma, loss_ids, inv_scale, labels="text", model_class=DFlashModel,
+                 feature_pass=None):
         self.target, self.args, self.gamma, self.grad_clip = target, args, gamma, grad_clip
         self.inv_scale, self.target_labels = inv_scale, labels == "target"
-        self.model = DFlashModel(args)
+        self.feature_pass = feature_pass  # the torch backend's, or None: the MLX target's
+        self.model = model_class(args)
         self.model.load_weights(list(weights.items()))
         mx.eval(self.model.parameters())
         self.embed = target_embedding(target)
@@ -385,7 +401,11 @@ class MLXDFlashTraining(MLXTraining):
                                  self.inv_scale, self.target_labels)
 
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
-        """`features` of each sequence, one at a time (the MLX step loops over them too)."""
+        """`features` of each sequence: one at a time (the MLX step loops over them too), or
+        all in one pass of the handed-in feature pass."""
+        if self.feature_pass is not None:
+            return features_batch(self.target, sequences, self.args.target_layer_ids,
+                                  self.inv_scale, self.target_labels, self.feature_pass)
         return [self.features(tokens) for tokens in sequences]
 
     def sequence_loss(self, features, tokens, anchors):
@@ -401,6 +421,8 @@ class DFlashRecipe(Recipe):
 
     name = "dflash"
     state_keys = ("gamma", "anchors")
+    config_class, model_class, drafter_class = DFlashConfig, DFlashModel, DFlashDrafter
+    training_class = MLXDFlashTraining
 
     def __init__(self, *, layers=None, block_size=16, target_layer_ids=None, anchors=64,
                  gamma=None, init="target", init_final_norm=False, mask_token_id=None,
@@ -431,9 +453,10 @@ class DFlashRecipe(Recipe):
 
     def config(self, target, tokenizer, run, loss_ids):
         if self.start_from is not None:  # continue a trained drafter (its config wins)
-            config = json.loads((self.start_from / "config.json").read_text())
+            config = self.continued_config(
+                json.loads((self.start_from / "config.json").read_text()))
             config["torch_dtype"] = "float32"
-            check_against_target(DFlashConfig.from_dict(config), target_sizes(target))
+            check_against_target(self.config_class.from_dict(config), target_sizes(target))
         else:
             _, vocab, _ = target_sizes(target)
             mask_id = self.mask_token_id if self.mask_token_id is not None \
@@ -447,17 +470,31 @@ class DFlashRecipe(Recipe):
         return config
 
     def feature_layers(self, config, target):
-        return DFlashConfig.from_dict(config).target_layer_ids
+        return self.config_class.from_dict(config).target_layer_ids
 
     def fresh_weights(self, config, target, loss_ids):
-        fresh = DFlashModel(DFlashConfig.from_dict(config))
+        fresh = self.model_class(self.config_class.from_dict(config))
         if self.init == "target":
             init_from_target(fresh, target, final_norm=self.init_final_norm)
+        self.initialise(fresh)
         weights = dict(tree_flatten(fresh.parameters()))
         if self.start_from is not None:
-            weights = {k: v.astype(mx.float32) for k, v in read_weights(self.start_from).items()}
-            check_weights(DFlashConfig.from_dict(config), weights)
+            stored = {k: v.astype(mx.float32) for k, v in read_weights(self.start_from).items()}
+            weights = self.continued_weights(stored, weights)
+            check_weights(self.config_class.from_dict(config), weights, self.model_class)
         return weights
+
+    # Hooks for a recipe whose drafter is DFlash's with parts added (DFlash2's):
+    def continued_config(self, config: dict) -> dict:
+        """The config to train, from the one of the checkpoint `init` names."""
+        return config
+
+    def initialise(self, model) -> None:
+        """Start a fresh drafter's own parts (after its layers are copied from the target)."""
+
+    def continued_weights(self, stored: dict, fresh: dict) -> dict:
+        """The weights to train, from a checkpoint's and a fresh drafter's."""
+        return stored
 
     def adapt(self, config, weights, inv_scale, target, resumed):
         if self.start_from is not None and not resumed and inv_scale is not None:
@@ -472,14 +509,20 @@ class DFlashRecipe(Recipe):
             # fresh one's.
             config, weights = grow_drafter(config, weights, self.layers,
                                            growth_donors(target, have, self.layers))
-        self.args = DFlashConfig.from_dict(config)
+        self.args = self.config_class.from_dict(config)
         return config, weights
 
     def math(self, target, config, weights, **options):
-        args = DFlashConfig.from_dict(config)
+        args = self.config_class.from_dict(config)
         if self.torch_training is not None:
             return self.torch_training.dflash_steps(args, weights, gamma=self.gamma, **options)
-        return MLXDFlashTraining(target, args, weights, gamma=self.gamma, **options)
+        return self.training_class(target, args, weights, gamma=self.gamma,
+                                   model_class=self.model_class, **self.math_options(),
+                                   **options)
+
+    def math_options(self) -> dict:
+        """A subclass's own keywords for its training math."""
+        return {}
 
     def example(self, rng, tokens, prompt_len):
         chosen = sample_anchors(rng, prompt_len, len(tokens), self.anchors)
@@ -489,8 +532,9 @@ class DFlashRecipe(Recipe):
         write_checkpoint(out, config, weights, inv_scale, draft_vocab=loss_ids)
 
     def drafter(self, config, weights, inv_scale, target, loss_ids):
-        return export_drafter(DFlashConfig.from_dict(config), weights, inv_scale, target,
-                              draft_vocab=loss_ids)
+        return export_drafter(self.config_class.from_dict(config), weights, inv_scale, target,
+                              draft_vocab=loss_ids, model_class=self.model_class,
+                              drafter_class=self.drafter_class)
 
     def eval_draft(self, config):
         return config["block_size"] - 1

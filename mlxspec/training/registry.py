@@ -191,3 +191,72 @@ register(TrainerKind(
         FEATURES_WITH,
     ),
 ))
+
+
+# DFlash's options that its successors share (all but its loss vocabulary and torch steps).
+BLOCK_OPTIONS = {o.name: o for o in _REGISTERED["dflash"].options}
+
+
+def block_options(**defaults) -> tuple[TrainerOption, ...]:
+    """DFlash's layers, target layers, anchors, gamma, init and final-norm options, with the
+    given defaults in place of its."""
+    names = ("layers", "block_size", "target_layer_ids", "anchors", "gamma", "init",
+             "init_final_norm")
+    out = []
+    for name in names:
+        option = BLOCK_OPTIONS[name]
+        if name in defaults:
+            option = TrainerOption(**{**option.__dict__, "default": defaults[name]})
+        out.append(option)
+    return tuple(out)
+
+
+register(TrainerKind(
+    "dflash2", lazy("mlxspec.training.dflash2_trainer", "train_dflash2"),
+    help="Train a DFlash2 drafter (DFlash with block convolutions and a candidate selector) "
+         "for TARGET on PROMPTS (MLX); resumable with --resume.",
+    out_help="Output directory: the checkpoint (z-lab's DFlash2DraftModel layout: config.json "
+             "+ model.safetensors, loadable by --drafter dflash2 --drafter-model) and its "
+             "resumable training state.",
+    options=block_options() + (
+        TrainerOption("conv_kernel_size", "--conv-kernel-size", type=int, default=2,
+                      check=at_least(1), help="Taps of each block convolution."),
+        TrainerOption("conv_group_size", "--conv-group-size", type=int, default=16,
+                      check=at_least(1),
+                      help="Channels sharing one projected tap (must divide the hidden size)."),
+        TrainerOption("selector_rank", "--selector-rank", type=int, default=256,
+                      check=at_least(1), help="Rank of the candidate selector's pair scores."),
+        TrainerOption("selector_top_k", "--selector-top-k", type=int, default=16,
+                      check=at_least(1), help="Candidates per slot the walk chooses among."),
+        TrainerOption(
+            "selector_weight", "--selector-weight", type=float, default=1.0,
+            check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+            help="Weight of the selector's K-way cross-entropy next to the unary loss "
+                 "(speculators' 1.0)."),
+        FEATURES_WITH,
+    ),
+))
+register(TrainerKind(
+    "dspark", lazy("mlxspec.training.dspark_trainer", "train_dspark"),
+    help="Train a DSpark drafter (DFlash backbone, Markov head, confidence head) for TARGET on "
+         "PROMPTS with DeepSpec's losses (MLX); resumable with --resume.",
+    out_help="Output directory: the checkpoint (DeepSpec's Qwen3DSparkModel layout without "
+             "embedding and head copies: config.json + model.safetensors, loadable by "
+             "--drafter dspark --drafter-model) and its resumable training state.",
+    options=block_options(block_size=7, gamma=4.0) + (
+        TrainerOption("markov_rank", "--markov-rank", type=int, default=256, check=at_least(0),
+                      help="Rank of the Markov head's bigram bias W2 W1[x] (0: no head)."),
+        TrainerOption("confidence_head", "--confidence-head/--no-confidence-head",
+                      default=True, help="Train the confidence head (it sets K per step)."),
+        TrainerOption("ce_weight", "--ce-weight", type=float, default=0.1,
+                      check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+                      help="Weight of the cross-entropy against the labels (DeepSpec's 0.1)."),
+        TrainerOption("l1_weight", "--l1-weight", type=float, default=0.9,
+                      check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+                      help="Weight of the L1 distance to the target's distribution (0.9)."),
+        TrainerOption("confidence_weight", "--confidence-weight", type=float, default=1.0,
+                      check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+                      help="Weight of the confidence head's cross-entropy (1.0)."),
+        FEATURES_WITH,
+    ),
+))
