@@ -137,7 +137,8 @@ def test_selector_loss_is_the_walks_own_teacher_forced_q(target):
     logits = model.compute_logits(hidden, target_head(target)).astype(mx.float32)
     labels = mx.argsort(-logits, axis=-1)[..., 1].astype(mx.int32)  # a candidate, not the top
     anchors = mx.array([TOKENS[2], TOKENS[6]], dtype=mx.int32)
-    loss = selector_loss(model, hidden, logits, anchors, labels)
+    before = mx.concatenate([anchors[:, None], labels[:, :-1]], axis=1)
+    loss = selector_loss(model, hidden, logits, before, labels)
     ids, q = model.candidate_selector.forced_q(hidden, logits, anchors, labels, 1.0)
     at = mx.argmax(ids == labels[..., None], axis=-1)
     want = -mx.log(mx.take_along_axis(q, at[..., None], axis=-1)[..., 0])
@@ -298,6 +299,42 @@ def test_dspark_without_a_confidence_head_keeps_the_adaptive_k(target, tmp_path)
     _lossless(target, drafter)
 
 
+# ---- both, with a loss vocabulary -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_a_loss_vocabulary_of_every_token_gives_the_full_loss(target, kind):
+    """Rows in another order but every token: the same loss (the selector's successors, the
+    Markov rows and the target's distribution all read through the row -> token map)."""
+    from mlxspec.training.dflash2_trainer import MLXDFlash2Training
+    from mlxspec.training.dspark_trainer import MLXDSparkTraining
+
+    model = _dflash2_model() if kind == "dflash2" else _dspark_model()
+    weights = dict(tree_flatten(model.parameters()))
+    extra = {"selector_weight": 1.0} if kind == "dflash2" else {
+        "loss_weights": dict(ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0)}
+    math = MLXDFlash2Training if kind == "dflash2" else MLXDSparkTraining
+    losses = []
+    for loss_ids in (None, np.random.default_rng(3).permutation(VOCAB).tolist()):
+        m = math(target, model.args, weights, schedule=1e-3, weight_decay=0.0, grad_clip=1.0,
+                 gamma=4.0, loss_ids=loss_ids, inv_scale=None, model_class=type(model), **extra)
+        total, weight, _ = m.sequence_loss(m.features(TOKENS), TOKENS, [1, 4, 7])
+        losses.append(total.item() / weight.item())
+    assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[0]), losses
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_trained_on_a_loss_vocabulary_it_drafts_over_the_full_one(target, tmp_path, kind):
+    train = train_dflash2 if kind == "dflash2" else train_dspark
+    extra = dict(SMALL, conv_group_size=8) if kind == "dflash2" else dict(markov_rank=8)
+    result = train(target, PROMPTS, tmp_path / "run", loss_vocab=12, **extra,
+                   **_options(steps=3, eval_every=3, eval_max_tokens=8))
+    assert result.loss_vocab_share is not None and result.taus
+    assert not (tmp_path / "run" / "draft_vocab.json").exists()
+    loader = load_dflash2_drafter if kind == "dflash2" else load_dspark_drafter
+    _lossless(target, loader(tmp_path / "run", model=target))
+
+
 # ---- the CLI -------------------------------------------------------------------------------
 
 
@@ -308,7 +345,8 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path):
          "Error: Invalid value for --selector-weight: must be >= 0, got -1.0"),
         (["dspark", "--markov-rank", "-2"],
          "Error: Invalid value for --markov-rank: must be >= 0, got -2"),
-        (["dspark", "--loss-vocab", "64"], "Error: No such option '--loss-vocab'."),
+        (["dspark", "--loss-vocab", "0"],
+         "Error: Invalid value for --loss-vocab: must be >= 1, got 0"),
     ]:
         result = runner.invoke(main, ["train", *args, "--prompts", "sharegpt", "--out",
                                       str(tmp_path / "x")])

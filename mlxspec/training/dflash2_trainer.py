@@ -13,7 +13,10 @@ Starts: the convolutions as the identity (tap 0 of both kernels one, the rest an
 projections zero) and the successor codebook zero, so a fresh DFlash2 drafts exactly as its
 DFlash backbone would and the pair scores grow from there; with `init` a DFlash checkpoint (the
 shipped drafter, say), that backbone is the trained one. DFlash2 drafts over the full vocabulary
-(its codebooks are indexed by target token), so the loss is over the full vocabulary too.
+(its codebooks are indexed by target token). With a loss vocabulary (`loss_vocab`: the N most
+frequent answer tokens' head rows, ~6x cheaper steps on SmolLM2's 49k vocabulary) the unary and
+selector losses are over those rows only; the checkpoint still drafts over the full vocabulary,
+as Medusa's does with one.
 """
 
 import json
@@ -53,15 +56,17 @@ def selector_candidates(logits: mx.array, labels: mx.array, top_k: int):
     return ids, where
 
 
-def selector_loss(model: DFlash2Model, hidden, logits, anchor_tokens, labels):
-    """Per-slot K-way cross-entropy (N, n) of the selector's pair scores, teacher-forced: slot
-    t's predecessor is the label of slot t-1 (the anchor token for the first)."""
+def selector_loss(model: DFlash2Model, hidden, logits, before, labels, token_ids=None):
+    """Per-slot K-way cross-entropy (N, n) of the selector's pair scores, teacher-forced:
+    `before` (N, n) the token before each slot (the anchor's for the first, then the labels').
+    With a loss vocabulary, logits and labels are its rows and `token_ids` maps a row to the
+    target token the successor codebook is indexed by."""
     selector = model.candidate_selector
     ids, where = selector_candidates(logits, labels, selector.top_k)
     unary = mx.take_along_axis(logits, ids, axis=-1)  # (N, n, k)
-    before = mx.concatenate([anchor_tokens[:, None], labels[:, :-1]], axis=1)  # (N, n)
+    successors = ids if token_ids is None else token_ids[ids]
     edge = selector.predecessor_codebook[before] * selector.hidden_projection(hidden)  # (N, n, R)
-    scores = unary + (selector.successor_codebook[ids] @ edge[..., None])[..., 0]
+    scores = unary + (selector.successor_codebook[successors] @ edge[..., None])[..., 0]
     return nn.losses.cross_entropy(scores.astype(mx.float32), where, reduction="none")
 
 
@@ -83,9 +88,12 @@ class MLXDFlash2Training(MLXDFlashTraining):
         logits = model.compute_logits(hidden, self.head).astype(mx.float32)
         labels, valid = slot_labels(tokens, anchors, 1, args.block_size - 1, self.head,
                                     labels_by_position)
+        said, _ = slot_labels(tokens, anchors, 1, args.block_size - 1, None, labels_by_position)
+        before = mx.concatenate([tokens[anchors][:, None], said[:, :-1]], axis=1)
         weights = decayed(valid, self.gamma)
         unary = nn.losses.cross_entropy(logits, labels, reduction="none")
-        paired = selector_loss(model, hidden, logits, tokens[anchors], labels)
+        paired = selector_loss(model, hidden, logits, before, labels,
+                               getattr(self.head, "token_ids", None))
         loss = ((unary + self.selector_weight * paired) * weights).sum()
         correct = ((mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]) & valid[:, 0]).sum()
         return loss, weights.sum(), correct
@@ -126,6 +134,7 @@ class DFlash2Recipe(DFlashRecipe):
     state_keys = ("gamma", "anchors", "selector_weight")
     config_class, model_class, drafter_class = DFlash2Config, DFlash2Model, DFlash2Drafter
     training_class = MLXDFlash2Training
+    drafts_from_loss_vocab = False  # z-lab's layout drafts over the full vocabulary
 
     def __init__(self, *, conv_kernel_size=CONV_KERNEL_SIZE, conv_group_size=CONV_GROUP_SIZE,
                  selector_rank=SELECTOR_RANK, selector_top_k=SELECTOR_TOP_K,
@@ -138,9 +147,6 @@ class DFlash2Recipe(DFlashRecipe):
         self.selector_weight, self.feature_pass = selector_weight, feature_pass
 
     def config(self, target, tokenizer, run, loss_ids):
-        if loss_ids is not None:
-            raise ValueError("DFlash2 drafts over the full vocabulary (its codebooks are indexed "
-                             "by target token): train it without a loss vocabulary")
         config = self.continued_config(super().config(target, tokenizer, run, loss_ids))
         self.config_class.from_dict(config)  # its numbers checked before any compute
         return config
@@ -158,9 +164,6 @@ class DFlash2Recipe(DFlashRecipe):
 
     def math_options(self):
         return {"selector_weight": self.selector_weight, "feature_pass": self.feature_pass}
-
-    def write(self, out, config, weights, inv_scale, loss_ids):
-        super().write(out, config, weights, inv_scale, None)
 
 
 def train_dflash2(target, prompts, out, *, tokenizer=None, layers: int | None = None,

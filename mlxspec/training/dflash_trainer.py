@@ -291,6 +291,7 @@ class SubsetHead:
 
     def __init__(self, head, token_ids, vocab_size: int):
         token_ids = mx.array(token_ids, dtype=mx.int32)
+        self.token_ids = token_ids  # row -> target token id
         self.weight = mx.stop_gradient(head_weight(head)[token_ids])
         mx.eval(self.weight)
         label_map = np.full(vocab_size, -1, dtype=np.int32)
@@ -423,6 +424,7 @@ class DFlashRecipe(Recipe):
     state_keys = ("gamma", "anchors")
     config_class, model_class, drafter_class = DFlashConfig, DFlashModel, DFlashDrafter
     training_class = MLXDFlashTraining
+    drafts_from_loss_vocab = True  # the checkpoint keeps the loss vocabulary as its draft one
 
     def __init__(self, *, layers=None, block_size=16, target_layer_ids=None, anchors=64,
                  gamma=None, init="target", init_final_norm=False, mask_token_id=None,
@@ -529,11 +531,13 @@ class DFlashRecipe(Recipe):
         return chosen, len(chosen) * self.args.block_size, len(chosen)
 
     def write(self, out, config, weights, inv_scale, loss_ids):
-        write_checkpoint(out, config, weights, inv_scale, draft_vocab=loss_ids)
+        write_checkpoint(out, config, weights, inv_scale,
+                         draft_vocab=loss_ids if self.drafts_from_loss_vocab else None)
 
     def drafter(self, config, weights, inv_scale, target, loss_ids):
+        vocab = loss_ids if self.drafts_from_loss_vocab else None
         return export_drafter(self.config_class.from_dict(config), weights, inv_scale, target,
-                              draft_vocab=loss_ids, model_class=self.model_class,
+                              draft_vocab=vocab, model_class=self.model_class,
                               drafter_class=self.drafter_class)
 
     def eval_draft(self, config):

@@ -16,7 +16,10 @@ Per training sequence:
      target detached), and the confidence head reads [h_j ; W1[x_{j-1}]].
 Only the drafter trains; its embedding and head are the target's, frozen (the checkpoint
 leaves them out: mlxspec then drafts with the target's, as LFM2.5's layout does; DeepSpec's
-own files carry copies). DSpark drafts over the full vocabulary, the loss too.
+own files carry copies). DSpark drafts over the full vocabulary; with a loss vocabulary
+(`loss_vocab`, the N most frequent answer tokens' head rows: ~6x cheaper steps on SmolLM2) all
+three terms are over those rows, both distributions renormalised there (the Markov bias reads
+their rows of W2), and the checkpoint still drafts over the full vocabulary.
 """
 
 import json
@@ -25,7 +28,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..backends.mlx.hidden_states import decoder_layers
-from ..backends.mlx.target_parts import target_head
 from ..drafters.dspark import DSparkDrafter
 from ..models.dspark import ARCHITECTURE, DSparkConfig, DSparkModel
 from .dflash_trainer import (
@@ -84,7 +86,6 @@ class MLXDSparkTraining(MLXDFlashTraining):
         super().__init__(target, args, weights, **kwargs)
         self.loss_weights = loss_weights
         self.last = len(decoder_layers(target)) - 1
-        self.target_head = target_head(target)
 
     def _layers(self) -> list[int]:
         """The feature layers, and the last one's (final-normed) output after them."""
@@ -126,13 +127,19 @@ class MLXDSparkTraining(MLXDFlashTraining):
         emb = mx.stop_gradient(self.embed(block) * args.input_embedding_scale)
         hidden = block_hidden(model, feats, emb, anchors)
         labels, valid = slot_labels(tokens, anchors, 1, B, self.head, labels_by_position)
-        before = mx.concatenate([tokens[anchors][:, None], labels[:, :-1]], axis=1)
+        said, _ = slot_labels(tokens, anchors, 1, B, None, labels_by_position)
+        before = mx.concatenate([tokens[anchors][:, None], said[:, :-1]], axis=1)
         logits = model.compute_logits(hidden, self.head).astype(mx.float32)
-        if getattr(model, "markov_head", None) is not None:
-            logits = logits + model.markov_head(before).astype(mx.float32)
+        markov = getattr(model, "markov_head", None)
+        if markov is not None:
+            rows = getattr(self.head, "token_ids", None)  # a loss vocabulary's, or all
+            w2 = markov.markov_w2.weight if rows is None else markov.markov_w2.weight[rows]
+            logits = logits + (markov.markov_w1(before) @ w2.T).astype(mx.float32)
         L = tokens.shape[0]
         predicted_at = mx.minimum(anchors[:, None] + mx.arange(B)[None], L - 1)
-        target_logits = self.target_head(final[predicted_at]).astype(mx.float32)
+        # the target's own distribution there: its head (the rows of the loss vocabulary) on
+        # its final-normed last hidden state
+        target_logits = self.head(final[predicted_at]).astype(mx.float32)
         weights = decayed(valid, self.gamma)
         loss = dspark_loss(model, hidden, logits, target_logits, before, labels, weights,
                            **self.loss_weights)
@@ -177,6 +184,7 @@ class DSparkRecipe(DFlashRecipe):
     state_keys = ("gamma", "anchors", "loss_weights")
     config_class, model_class, drafter_class = DSparkConfig, DSparkModel, DSparkDrafter
     training_class = MLXDSparkTraining
+    drafts_from_loss_vocab = False  # DeepSpec's layout drafts over the full vocabulary
 
     def __init__(self, *, markov_rank=MARKOV_RANK, confidence_head=True, ce_weight=CE_WEIGHT,
                  l1_weight=L1_WEIGHT, confidence_weight=CONFIDENCE_WEIGHT, feature_pass=None,
@@ -197,10 +205,6 @@ class DSparkRecipe(DFlashRecipe):
         self.feature_pass = feature_pass
 
     def config(self, target, tokenizer, run, loss_ids):
-        if loss_ids is not None:
-            raise ValueError("DSpark drafts over the full vocabulary (its L1 and confidence "
-                             "terms compare whole distributions): train it without a loss "
-                             "vocabulary")
         config = self.continued_config(super().config(target, tokenizer, run, loss_ids))
         self.config_class.from_dict(config)  # its numbers checked before any compute
         return config
@@ -219,9 +223,6 @@ class DSparkRecipe(DFlashRecipe):
         # an anchor is an answer token with a next one (the pending token drafting starts from)
         chosen = sample_anchors(rng, prompt_len + 1, len(tokens), self.anchors)
         return chosen, len(chosen) * self.args.block_size, len(chosen)
-
-    def write(self, out, config, weights, inv_scale, loss_ids):
-        super().write(out, config, weights, inv_scale, None)
 
     def eval_draft(self, config):
         return config["block_size"]  # every slot drafts
