@@ -267,6 +267,9 @@ def test_dspark_checkpoint_loads_in_deepspecs_layout_and_decodes_losslessly(targ
     drafter = load_dspark_drafter(tmp_path / "run", model=target)
     assert isinstance(drafter.draft_policy(4, True), ScoredDraftLength)  # the head picks K
     _lossless(target, drafter)
+    adaptive = load_dspark_drafter(tmp_path / "run", model=target, confidence_k=False)
+    assert not isinstance(adaptive.draft_policy(4, True), ScoredDraftLength)
+    _lossless(target, adaptive)
 
 
 def test_dspark_training_learns_and_its_confidence_follows_acceptance(target, tmp_path):
@@ -381,3 +384,9 @@ def test_cli_trains_a_checkpoint_that_generate_runs(tmp_path, smollm_dir, kind, 
     assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
     first = lambda text: text.strip().splitlines()[0]  # noqa: E731  (the reply, before stats)
     assert first(spec.output) == first(plain.output)
+    if kind == "dspark":  # the confidence head's K, or the adaptive one: the same reply
+        adaptive = runner.invoke(main, ["generate", "-m", str(model_dir), "-p", "Hi", "-n", "12",
+                                        "--drafter", kind, "--drafter-model", str(out),
+                                        "--adaptive-k"])
+        assert adaptive.exit_code == 0, adaptive.output
+        assert first(adaptive.output) == first(plain.output)

@@ -33,8 +33,9 @@ class DSparkDrafter(DFlashDrafter):
     name = "dspark"
     free_drafts = True
 
-    def __init__(self, model: DSparkModel, **parts):
+    def __init__(self, model: DSparkModel, *, confidence_k: bool = True, **parts):
         super().__init__(model, **parts)
+        self.confidence_k = confidence_k  # the head (where there is one) sets K, or adaptive K
         self.default_num_draft = self.max_draft = self.block_size  # the anchor's slot drafts too
         self._confidence = None  # the last draft's confidences (n,), on the device
 
@@ -87,7 +88,7 @@ class DSparkDrafter(DFlashDrafter):
         return mx.cumprod(self._confidence).tolist()
 
     def draft_policy(self, max_k: int, greedy: bool):
-        if getattr(self.model, "confidence_head", None) is None:
+        if not self.confidence_k or getattr(self.model, "confidence_head", None) is None:
             return super().draft_policy(max_k, greedy)
         policies = self.__dict__.setdefault("_draft_policies", {})
         if (max_k, greedy) not in policies:
@@ -95,16 +96,17 @@ class DSparkDrafter(DFlashDrafter):
         return policies[max_k, greedy]
 
 
-def load_dspark_drafter(path, *, model, tokenizer=None, dtype=None,
-                        window: int | None = None) -> DSparkDrafter:
+def load_dspark_drafter(path, *, model, tokenizer=None, dtype=None, window: int | None = None,
+                        confidence_k: bool = True) -> DSparkDrafter:
     """Load a DSpark checkpoint for target `model` (DeepSpec's Qwen3DSparkModel layout, or
     LiquidAI's LFM2.5 Lfm2DSparkDraftModel), from a directory or a Hub repo id (through the
     Hugging Face cache; HF_HUB_OFFLINE applies). The config is checked against the target, then
     every weight name and shape against the config, before any compute. `dtype` and `window`
-    are DFlash's (drafters.dflash.load_dflash_drafter); `tokenizer` is accepted for symmetry."""
+    are DFlash's (drafters.dflash.load_dflash_drafter); `confidence_k`: where the checkpoint has
+    a confidence head, it sets K (False: the adaptive K); `tokenizer` is accepted for symmetry."""
     path, args, _ = read_checkpoint(path, target_sizes(model), block_size=None,
                                     draft_vocab=False, tree_budget=None, tree_width=4,
                                     window=window, config_class=DSparkConfig)
     args.read_head_width(check_safetensors(safetensors_files(path)))
     drafter_model, parts = load_checked_model(path, args, model, dtype, DSparkModel)
-    return DSparkDrafter(drafter_model, **parts)
+    return DSparkDrafter(drafter_model, confidence_k=confidence_k, **parts)

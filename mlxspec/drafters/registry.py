@@ -385,7 +385,14 @@ register(DrafterKind(
 register(DrafterKind(
     "dspark",
     {"mlx": lazy("mlxspec.drafters.dspark", "load_dspark_drafter")},
-    options=(DRAFTER_WINDOW,),
+    options=(
+        DRAFTER_WINDOW,
+        DrafterOption(
+            "confidence_k", "--confidence-k/--adaptive-k", default=True,
+            help="DSpark: where the checkpoint has a confidence head, it chooses K each step "
+                 "(and each sequence's share of a batch), or the adaptive K does as for "
+                 "DFlash. Output is the same either way."),
+    ),
     checkpoint=Checkpoint(
         "a DSpark drafter checkpoint trained for this target (DeepSpec's Qwen3DSparkModel or "
         "LiquidAI's LFM2.5 layout)",
