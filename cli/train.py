@@ -130,8 +130,11 @@ def report(result) -> None:
     tau = f", held-out tau {result.taus[-1][1]:.2f}" if result.taus else ""
     click.echo(f"step {result.step}: checkpoint in {result.out}{tau}")
     if result.loss_vocab_share is not None:
-        click.echo(f"the loss (and draft) vocabulary holds {result.loss_vocab_share:.1%} of the "
-                   "answers' tokens; the rest are never learned nor drafted")
+        said = "loss (and draft) vocabulary" if result.drafts_from_loss_vocab else "loss vocabulary"
+        rest = "never learned nor drafted" if result.drafts_from_loss_vocab else \
+            "never learned (drafting reads the full vocabulary)"
+        click.echo(f"the {said} holds {result.loss_vocab_share:.1%} of the answers' tokens; "
+                   f"the rest are {rest}")
 
 
 def run_training(kind, target, dtype, generate_with, backend="mlx", device=None,

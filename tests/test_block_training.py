@@ -374,9 +374,10 @@ def test_cli_trains_a_checkpoint_that_generate_runs(tmp_path, smollm_dir, kind, 
     result = runner.invoke(main, ["train", kind, "-m", str(model_dir), "--prompts", str(prompts),
                                   "--out", str(out), "--steps", "2", "--heldout", "1",
                                   "--max-new-tokens", "8", "--eval-every", "0", "--anchors", "4",
-                                  "--block-size", "4", *extra])
+                                  "--block-size", "4", "--loss-vocab", "512", *extra])
     assert result.exit_code == 0, result.output
     assert f"step 2: checkpoint in {out}" in result.output
+    assert "never learned (drafting reads the full vocabulary)" in result.output
     plain = runner.invoke(main, ["generate", "-m", str(model_dir), "-p", "Hi", "-n", "12",
                                  "--drafter", "none"])
     spec = runner.invoke(main, ["generate", "-m", str(model_dir), "-p", "Hi", "-n", "12",

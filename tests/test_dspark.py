@@ -322,6 +322,24 @@ def test_the_confidence_head_is_what_sets_the_draft_length(target, drafter_dir, 
     assert type(policy) is AdaptiveDraftLength
 
 
+def test_a_confidence_cut_to_nothing_rests_the_drafter(monkeypatch):
+    """Confidences too low to pay: the step drafts nothing, and the next probe_every steps skip
+    the drafter's pass (K = 0) before the head is asked again with a whole block."""
+    from mlxspec.drafters.match_length import ConfidenceDraftLength
+    from mlxspec.engine import Draft
+
+    reach = [1e-6, 1e-7]
+    policy = ConfidenceDraftLength(BLOCK, lambda: reach, probe_every=3)
+    monkeypatch.setattr(ConfidenceDraftLength, "_time_model", lambda self: (1.0, 1.0, 0.1))
+    draft = Draft(tokens=mx.array([1, 2]))
+    assert policy.next_k() == BLOCK
+    assert len(policy.cut(draft)) == 0
+    assert [policy.next_k() for _ in range(3)] == [0, 0, 0]
+    assert policy.next_k() == BLOCK  # asked again
+    reach[:] = [0.99, 0.98]
+    assert len(policy.cut(draft)) == 2 and policy.next_k() == BLOCK  # drafts that pay: no rest
+
+
 def test_confidences_are_each_rows_own_in_a_batch(target, drafter_dir):
     drafter = load_dspark_drafter(drafter_dir, model=target)
     forks = [drafter.fork() for _ in PROMPTS[:3]]

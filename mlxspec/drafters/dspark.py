@@ -7,8 +7,9 @@ width). Greedy, each step takes the argmax of the slot's logits plus the bigram 
 each step draws from softmax((logits + bias) / T) and that q goes with the draft as Draft.probs,
 for the loop's rejection rule.
 
-Where the checkpoint has a confidence head, the draft length is ScoredDraftLength over the
-head's prefix survival, c_1 c_2 ... c_K (each c_k the predicted chance slot k is accepted given
+Where the checkpoint has a confidence head, the draft length is ConfidenceDraftLength (a
+ScoredDraftLength that, after a step its scores cut to nothing, rests the drafter a few steps)
+over the head's prefix survival, c_1 c_2 ... c_K (each c_k the predicted chance slot k is accepted given
 the drafts before it; DSpark's scheduler ranks slots by the same product): the step keeps the K
 maximising expected tokens per second against the measured step times, in place of the
 acceptance the adaptive K would have guessed by position; in a batch the same products set each
@@ -24,7 +25,7 @@ from ..file_checks import check_safetensors, safetensors_files
 from ..models.dspark import DSparkConfig, DSparkModel
 from ..sampling import SamplingConfig
 from .dflash import DFlashDrafter, load_checked_model, read_checkpoint
-from .match_length import ScoredDraftLength
+from .match_length import ConfidenceDraftLength
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -92,7 +93,7 @@ class DSparkDrafter(DFlashDrafter):
             return super().draft_policy(max_k, greedy)
         policies = self.__dict__.setdefault("_draft_policies", {})
         if (max_k, greedy) not in policies:
-            policies[max_k, greedy] = ScoredDraftLength(max_k, lambda: self.confidence_reach())
+            policies[max_k, greedy] = ConfidenceDraftLength(max_k, lambda: self.confidence_reach())
         return policies[max_k, greedy]
 
 

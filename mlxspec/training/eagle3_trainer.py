@@ -232,6 +232,7 @@ class Eagle3Recipe(Recipe):
     """EAGLE-3 with training-time test over `ttt_steps` steps; see the module docstring."""
 
     name = "eagle3"
+    drafts_from_loss_vocab = True  # its d2t/t2d: the draft vocabulary
     state_keys = ("ttt_steps", "decay")
 
     def __init__(self, *, ttt_steps: int | None = None, decay: float | None = None,

@@ -49,6 +49,10 @@ def positive(value) -> str | None:
     return None if 0 < value < math.inf else f"must be > 0, got {value}"  # nan too
 
 
+def non_negative(value) -> str | None:
+    return None if 0 <= value < math.inf else f"must be >= 0, got {value}"  # nan too
+
+
 def layer_ids(value: str) -> list[int]:
     """"2, 5,9" -> [2, 5, 9]."""
     try:
@@ -236,7 +240,7 @@ register(TrainerKind(
                       check=at_least(1), help="Candidates per slot the walk chooses among."),
         TrainerOption(
             "selector_weight", "--selector-weight", type=float, default=1.0,
-            check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+            check=non_negative,
             help="Weight of the selector's K-way cross-entropy next to the unary loss "
                  "(speculators' 1.0)."),
         BLOCK_LOSS_VOCAB,
@@ -256,13 +260,13 @@ register(TrainerKind(
         TrainerOption("confidence_head", "--confidence-head/--no-confidence-head",
                       default=True, help="Train the confidence head (it sets K per step)."),
         TrainerOption("ce_weight", "--ce-weight", type=float, default=0.1,
-                      check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+                      check=non_negative,
                       help="Weight of the cross-entropy against the labels (DeepSpec's 0.1)."),
         TrainerOption("l1_weight", "--l1-weight", type=float, default=0.9,
-                      check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+                      check=non_negative,
                       help="Weight of the L1 distance to the target's distribution (0.9)."),
         TrainerOption("confidence_weight", "--confidence-weight", type=float, default=1.0,
-                      check=lambda v: None if 0 <= v < math.inf else f"must be >= 0, got {v}",
+                      check=non_negative,
                       help="Weight of the confidence head's cross-entropy (1.0)."),
         BLOCK_LOSS_VOCAB,
         FEATURES_WITH,

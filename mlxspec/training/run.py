@@ -54,6 +54,7 @@ class TrainResult:
     taus: list = field(default_factory=list)  # (step, τ)
     block_tokens_per_s: float = 0.0
     loss_vocab_share: float | None = None  # of the answer tokens, with a loss vocabulary
+    drafts_from_loss_vocab: bool = False  # the checkpoint drafts from it (else the full one)
 
 
 class TrainingDiverged(ValueError):
@@ -168,6 +169,7 @@ class Recipe:
     """What one drafter kind's training says; `train` runs it. Subclasses fill these in."""
 
     name = "drafter"
+    drafts_from_loss_vocab = False  # a loss vocabulary becomes the checkpoint's draft vocabulary
     # Saved in state.json and, on a resume, required to match (options the optimizer state or
     # the data order depend on), or restored when left unset (None).
     state_keys: tuple[str, ...] = ()
@@ -615,6 +617,7 @@ def train(recipe: Recipe, target, run: RunSettings, *, raw_features=None) -> Tra
     result = TrainResult(out=out, step=step)
     if loss_ids is not None:
         result.loss_vocab_share = answer_share((store[i] for i in train_ids), loss_ids, vocab)
+        result.drafts_from_loss_vocab = recipe.drafts_from_loss_vocab
     last_tau = next((e["tau"] for e in reversed(state["log"]) if "tau" in e), None)
     end = min(steps, run.stop_after) if run.stop_after is not None else steps
     bar = None
