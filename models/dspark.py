@@ -80,8 +80,11 @@ class MarkovHead(nn.Module):
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
 
-    def __call__(self, previous: mx.array) -> mx.array:
-        return self.markov_w2(self.markov_w1(previous))
+    def __call__(self, previous: mx.array, rows: mx.array | None = None) -> mx.array:
+        """The bias over the vocabulary, or over its `rows` only (a training loss vocabulary)."""
+        if rows is None:
+            return self.markov_w2(self.markov_w1(previous))
+        return self.markov_w1(previous) @ self.markov_w2.weight[rows].T
 
 
 class ConfidenceHead(nn.Module):
@@ -103,6 +106,14 @@ class DSparkModel(DFlashModel):
         if args.enable_confidence_head:
             self.confidence_head = ConfidenceHead(args.confidence_width)
 
+    def confidence_input(self, hidden: mx.array, previous: mx.array) -> mx.array:
+        """What the confidence head reads for slots of `hidden` after tokens `previous`:
+        [h ; W1[x]] with confidence_head_with_markov, else h."""
+        if not self.args.confidence_head_with_markov:
+            return hidden
+        before = self.markov_head.markov_w1(previous).astype(hidden.dtype)
+        return mx.concatenate([hidden, before], axis=-1)
+
     def walk(self, hidden: mx.array, logits: mx.array, anchors: mx.array, temps: list[float],
              forced: mx.array | None = None) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Drafts (B, n) from the block's normed hidden states (B, n, H), their logits (B, n, V)
@@ -121,11 +132,7 @@ class DSparkModel(DFlashModel):
             if markov is not None:
                 step = step + markov(previous).astype(step.dtype)
             if confidence is not None:
-                features = hidden[:, k]
-                if self.args.confidence_head_with_markov:
-                    before = markov.markov_w1(previous).astype(features.dtype)
-                    features = mx.concatenate([features, before], axis=-1)
-                confidences.append(confidence(features))
+                confidences.append(confidence(self.confidence_input(hidden[:, k], previous)))
             token = mx.argmax(step, axis=-1)
             if any(sampled):
                 scaled = step.astype(mx.float32) * inverse

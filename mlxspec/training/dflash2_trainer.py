@@ -29,13 +29,14 @@ from ..models.dflash2 import ARCHITECTURE, DFlash2Config, DFlash2Model
 from .dflash_trainer import (
     DFlashRecipe,
     MLXDFlashTraining,
-    block_hidden,
-    block_tokens,
+    block_states,
     decayed,
+    first_slot_hits,
     slot_labels,
+    teacher_forced_before,
+    train_block_recipe,
 )
-from .features import raw_features_of
-from .run import RunSettings, TrainResult, train
+from .run import TrainResult
 
 # speculators' defaults (and z-lab's released configs' sizes)
 CONV_KERNEL_SIZE, CONV_GROUP_SIZE, SELECTOR_RANK, SELECTOR_TOP_K = 2, 16, 256, 16
@@ -45,11 +46,12 @@ SELECTOR_WEIGHT = 1.0
 def selector_candidates(logits: mx.array, labels: mx.array, top_k: int):
     """(candidate ids (N, n, k), the label's index among them (N, n)): each slot's top-k unary
     tokens, the label in place of the weakest where it is not among them."""
-    ids = mx.argpartition(mx.stop_gradient(logits), kth=logits.shape[-1] - top_k, axis=-1)
+    scores = mx.stop_gradient(logits)
+    ids = mx.argpartition(scores, kth=logits.shape[-1] - top_k, axis=-1)
     ids = ids[..., -top_k:].astype(mx.int32)
     hits = ids == labels[..., None]
     present = hits.any(axis=-1)
-    weakest = mx.argmin(mx.take_along_axis(mx.stop_gradient(logits), ids, axis=-1), axis=-1)
+    weakest = mx.argmin(mx.take_along_axis(scores, ids, axis=-1), axis=-1)
     replaced = (mx.arange(top_k) == weakest[..., None]) & ~present[..., None]
     ids = mx.where(replaced, labels[..., None], ids)
     where = mx.where(present, mx.argmax(hits, axis=-1), weakest)
@@ -81,22 +83,17 @@ class MLXDFlash2Training(MLXDFlashTraining):
         feats, labels_by_position = features
         tokens = mx.array(tokens, dtype=mx.int32)
         anchors = mx.array(anchors, dtype=mx.int32)
-        args, model = self.args, self.model
-        block = block_tokens(tokens, anchors, args.block_size, args.mask_token_id)
-        emb = mx.stop_gradient(self.embed(block) * args.input_embedding_scale)
-        hidden = block_hidden(model, feats, emb, anchors)[:, 1:]
+        model, n = self.model, self.args.block_size - 1
+        hidden = block_states(model, feats, tokens, anchors, self.embed)[:, 1:]
         logits = model.compute_logits(hidden, self.head).astype(mx.float32)
-        labels, valid = slot_labels(tokens, anchors, 1, args.block_size - 1, self.head,
-                                    labels_by_position)
-        said, _ = slot_labels(tokens, anchors, 1, args.block_size - 1, None, labels_by_position)
-        before = mx.concatenate([tokens[anchors][:, None], said[:, :-1]], axis=1)
+        labels, valid = slot_labels(tokens, anchors, 1, n, self.head, labels_by_position)
+        before = teacher_forced_before(tokens, anchors, n, labels_by_position)
         weights = decayed(valid, self.gamma)
         unary = nn.losses.cross_entropy(logits, labels, reduction="none")
         paired = selector_loss(model, hidden, logits, before, labels,
                                getattr(self.head, "token_ids", None))
         loss = ((unary + self.selector_weight * paired) * weights).sum()
-        correct = ((mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]) & valid[:, 0]).sum()
-        return loss, weights.sum(), correct
+        return loss, weights.sum(), first_slot_hits(logits, labels, valid)
 
 
 def dflash2_config(config: dict, *, kernel_size=CONV_KERNEL_SIZE, group_size=CONV_GROUP_SIZE,
@@ -146,11 +143,6 @@ class DFlash2Recipe(DFlashRecipe):
                           rank=selector_rank, top_k=selector_top_k)
         self.selector_weight, self.feature_pass = selector_weight, feature_pass
 
-    def config(self, target, tokenizer, run, loss_ids):
-        config = self.continued_config(super().config(target, tokenizer, run, loss_ids))
-        self.config_class.from_dict(config)  # its numbers checked before any compute
-        return config
-
     def continued_config(self, config):
         return dflash2_config(config, **self.shape)
 
@@ -181,7 +173,6 @@ def train_dflash2(target, prompts, out, *, tokenizer=None, layers: int | None = 
     convolution and selector sizes, and `selector_weight` (the selector loss's, 1.0). The
     training steps run on MLX; `feature_pass`: the frozen target's features from the torch
     backend (`--features-with torch`)."""
-    run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, **run_options)
     recipe = DFlash2Recipe(
         layers=layers, block_size=block_size, target_layer_ids=target_layer_ids,
         anchors=anchors, gamma=gamma, init=init, init_final_norm=init_final_norm,
@@ -189,7 +180,5 @@ def train_dflash2(target, prompts, out, *, tokenizer=None, layers: int | None = 
         conv_group_size=conv_group_size, selector_rank=selector_rank,
         selector_top_k=selector_top_k, selector_weight=selector_weight,
         feature_pass=feature_pass)
-    run.check()
-    recipe.check_growth(run.out if run.resume else recipe.start_from)
-    raw_features = raw_features_of(feature_pass) if feature_pass is not None else None
-    return train(recipe, target, run, raw_features=raw_features)
+    return train_block_recipe(recipe, target, prompts, out, tokenizer=tokenizer,
+                              feature_pass=feature_pass, **run_options)

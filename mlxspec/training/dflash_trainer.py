@@ -272,12 +272,18 @@ def block_tokens(tokens: mx.array, anchors: mx.array, block_size: int, mask_id: 
     )
 
 
-def training_logits(model, features, tokens, anchors, *, embed_tokens, lm_head):
-    """Drafter logits (N, bs-1, V) of slots 1..bs-1 for every anchor (the training path)."""
+def block_states(model, features, tokens, anchors, embed_tokens) -> mx.array:
+    """Normed hidden states (N, bs, H) of every anchor's block [token[a], MASK, ...], from the
+    whole sequence's features (the training path of every block drafter)."""
     args = model.args
     block = block_tokens(tokens, anchors, args.block_size, args.mask_token_id)
     emb = mx.stop_gradient(embed_tokens(block) * args.input_embedding_scale)
-    hidden = block_hidden(model, features, emb, anchors)[:, 1:]
+    return block_hidden(model, features, emb, anchors)
+
+
+def training_logits(model, features, tokens, anchors, *, embed_tokens, lm_head):
+    """Drafter logits (N, bs-1, V) of slots 1..bs-1 for every anchor (the training path)."""
+    hidden = block_states(model, features, tokens, anchors, embed_tokens)[:, 1:]
     return model.compute_logits(hidden, lm_head)
 
 
@@ -325,6 +331,18 @@ def slot_labels(tokens, anchors, first: int, count: int, lm_head, labels=None):
     return labels, valid
 
 
+def teacher_forced_before(tokens, anchors, count: int, labels=None) -> mx.array:
+    """(N, count) the token before each of the slots labelled a+1 .. a+count: the anchor's
+    token, then the labels' (target token ids, whatever rows a loss vocabulary uses)."""
+    said, _ = slot_labels(tokens, anchors, 1, count, None, labels)
+    return mx.concatenate([tokens[anchors][:, None], said[:, :-1]], axis=1)
+
+
+def first_slot_hits(logits, labels, valid) -> mx.array:
+    """How many blocks' first scored slot predicts its label (the run log's slot1_acc)."""
+    return ((mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]) & valid[:, 0]).sum()
+
+
 def decayed(valid: mx.array, gamma: float) -> mx.array:
     """Slot weights exp(-k/gamma) for slots k = 0.. of the labels, zero where not valid."""
     return mx.exp(-mx.arange(valid.shape[1], dtype=mx.float32) / gamma)[None] * valid
@@ -340,8 +358,7 @@ def block_loss(model, features, tokens, anchors, *, embed_tokens, lm_head, gamma
     labels, valid = slot_labels(tokens, anchors, 1, bs - 1, lm_head, labels)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     weights = decayed(valid, gamma)
-    correct = ((mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]) & valid[:, 0]).sum()
-    return (ce * weights).sum(), weights.sum(), correct
+    return (ce * weights).sum(), weights.sum(), first_slot_hits(logits, labels, valid)
 
 
 # ---- Checkpoints ----------------------------------------------------------------------------
@@ -404,10 +421,8 @@ class MLXDFlashTraining(MLXTraining):
     def features_batch(self, sequences: list[list[int]]) -> list[tuple]:
         """`features` of each sequence: one at a time (the MLX step loops over them too), or
         all in one pass of the handed-in feature pass."""
-        if self.feature_pass is not None:
-            return features_batch(self.target, sequences, self.args.target_layer_ids,
-                                  self.inv_scale, self.target_labels, self.feature_pass)
-        return [self.features(tokens) for tokens in sequences]
+        return features_batch(self.target, sequences, self.args.target_layer_ids,
+                              self.inv_scale, self.target_labels, self.feature_pass)
 
     def sequence_loss(self, features, tokens, anchors):
         feats, labels = features
@@ -463,10 +478,11 @@ class DFlashRecipe(Recipe):
             _, vocab, _ = target_sizes(target)
             mask_id = self.mask_token_id if self.mask_token_id is not None \
                 else default_mask_token_id(tokenizer, vocab)
-            config = drafter_config_for(target, layers=self.layers or 1,
-                                        block_size=self.block_size,
-                                        target_layer_ids=self.target_layer_ids,
-                                        mask_token_id=mask_id, overrides=self.drafter_overrides)
+            config = self.continued_config(drafter_config_for(
+                target, layers=self.layers or 1, block_size=self.block_size,
+                target_layer_ids=self.target_layer_ids, mask_token_id=mask_id,
+                overrides=self.drafter_overrides))
+            self.config_class.from_dict(config)  # its numbers checked before any compute
         if self.gamma is None:
             self.gamma = default_gamma(config["block_size"])
         return config
@@ -488,7 +504,8 @@ class DFlashRecipe(Recipe):
 
     # Hooks for a recipe whose drafter is DFlash's with parts added (DFlash2's):
     def continued_config(self, config: dict) -> dict:
-        """The config to train, from the one of the checkpoint `init` names."""
+        """The config to train, from a DFlash-shaped one (a fresh drafter's, or that of the
+        checkpoint `init` names)."""
         return config
 
     def initialise(self, model) -> None:
@@ -613,3 +630,16 @@ def train_dflash(
                              f"mlxspec.load(..., backend={backend!r}))")
         raw_features = raw_features_of(torch_training.features)  # the backend that trains
     return train(recipe, target, run, raw_features=raw_features)
+
+
+def train_block_recipe(recipe: DFlashRecipe, target, prompts, out, *, tokenizer=None,
+                       feature_pass=None, **run_options) -> TrainResult:
+    """Run a block drafter's recipe trained on MLX (DFlash2's, DSpark's): the run's options
+    checked, a continued drafter's growth checked, the feature scale measured on the features
+    the steps will see."""
+    run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, **run_options)
+    run.check()
+    recipe.check_growth(run.out if run.resume else recipe.start_from)
+    raw_features = raw_features_of(feature_pass) if feature_pass is not None else None
+    return train(recipe, target, run, raw_features=raw_features)
+

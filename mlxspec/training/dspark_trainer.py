@@ -33,14 +33,16 @@ from ..models.dspark import ARCHITECTURE, DSparkConfig, DSparkModel
 from .dflash_trainer import (
     DFlashRecipe,
     MLXDFlashTraining,
-    block_hidden,
-    block_tokens,
+    block_states,
     decayed,
+    first_slot_hits,
     sample_anchors,
     slot_labels,
+    teacher_forced_before,
+    train_block_recipe,
 )
-from .features import features_batch, raw_features_of, target_features
-from .run import RunSettings, TrainResult, train
+from .features import features_batch
+from .run import TrainResult
 
 # DeepSpec's published recipe (config/dspark/dspark_qwen3_4b.py)
 BLOCK_SIZE, GAMMA, MARKOV_RANK = 7, 4.0, 256
@@ -67,11 +69,7 @@ def dspark_loss(model: DSparkModel, hidden, logits, target_logits, before, label
     loss = ce_weight * ce + l1_weight * l1
     head = getattr(model, "confidence_head", None)
     if head is not None and confidence_weight:
-        features = hidden
-        if model.args.confidence_head_with_markov:
-            features = mx.concatenate(
-                [hidden, model.markov_head.markov_w1(before).astype(hidden.dtype)], axis=-1)
-        predicted = head.proj(features)[..., 0].astype(mx.float32)
+        predicted = head.proj(model.confidence_input(hidden, before))[..., 0].astype(mx.float32)
         bce = nn.losses.binary_cross_entropy(predicted, mx.stop_gradient(accepted),
                                              with_logits=True, reduction="none")
         loss = loss + confidence_weight * bce
@@ -102,18 +100,9 @@ class MLXDSparkTraining(MLXDFlashTraining):
         return drafter, labels, final
 
     def features(self, tokens):
-        feats = target_features(self.target, tokens, self._layers(),
-                                predictions=self.target_labels)
-        labels = None
-        if self.target_labels:
-            from .features import shifted_labels
-            feats, predicted = feats
-            labels = mx.array(shifted_labels(tokens, predicted), dtype=mx.int32)
-        return self._split(feats, labels)
+        return self.features_batch([tokens])[0]
 
     def features_batch(self, sequences):
-        if self.feature_pass is None:
-            return [self.features(tokens) for tokens in sequences]
         raw = features_batch(self.target, sequences, self._layers(), None, self.target_labels,
                              self.feature_pass)
         return [self._split(feats, labels) for feats, labels in raw]
@@ -122,19 +111,15 @@ class MLXDSparkTraining(MLXDFlashTraining):
         feats, labels_by_position, final = features
         tokens = mx.array(tokens, dtype=mx.int32)
         anchors = mx.array(anchors, dtype=mx.int32)
-        args, model, B = self.args, self.model, self.args.block_size
-        block = block_tokens(tokens, anchors, B, args.mask_token_id)
-        emb = mx.stop_gradient(self.embed(block) * args.input_embedding_scale)
-        hidden = block_hidden(model, feats, emb, anchors)
+        model, B = self.model, self.args.block_size
+        hidden = block_states(model, feats, tokens, anchors, self.embed)
         labels, valid = slot_labels(tokens, anchors, 1, B, self.head, labels_by_position)
-        said, _ = slot_labels(tokens, anchors, 1, B, None, labels_by_position)
-        before = mx.concatenate([tokens[anchors][:, None], said[:, :-1]], axis=1)
+        before = teacher_forced_before(tokens, anchors, B, labels_by_position)
         logits = model.compute_logits(hidden, self.head).astype(mx.float32)
         markov = getattr(model, "markov_head", None)
-        if markov is not None:
-            rows = getattr(self.head, "token_ids", None)  # a loss vocabulary's, or all
-            w2 = markov.markov_w2.weight if rows is None else markov.markov_w2.weight[rows]
-            logits = logits + (markov.markov_w1(before) @ w2.T).astype(mx.float32)
+        if markov is not None:  # over a loss vocabulary's rows where there is one
+            rows = getattr(self.head, "token_ids", None)
+            logits = logits + markov(before, rows).astype(mx.float32)
         L = tokens.shape[0]
         predicted_at = mx.minimum(anchors[:, None] + mx.arange(B)[None], L - 1)
         # the target's own distribution there: its head (the rows of the loss vocabulary) on
@@ -143,8 +128,7 @@ class MLXDSparkTraining(MLXDFlashTraining):
         weights = decayed(valid, self.gamma)
         loss = dspark_loss(model, hidden, logits, target_logits, before, labels, weights,
                            **self.loss_weights)
-        correct = ((mx.argmax(logits[:, 0], axis=-1) == labels[:, 0]) & valid[:, 0]).sum()
-        return loss, weights.sum(), correct
+        return loss, weights.sum(), first_slot_hits(logits, labels, valid)
 
 
 def dspark_config(config: dict, *, markov_rank=MARKOV_RANK, confidence_head=True,
@@ -204,11 +188,6 @@ class DSparkRecipe(DFlashRecipe):
                                  confidence_weight=confidence_weight)
         self.feature_pass = feature_pass
 
-    def config(self, target, tokenizer, run, loss_ids):
-        config = self.continued_config(super().config(target, tokenizer, run, loss_ids))
-        self.config_class.from_dict(config)  # its numbers checked before any compute
-        return config
-
     def continued_config(self, config):
         return dspark_config(config, markov_rank=self.markov_rank,
                              confidence_head=self.confidence_head, anchors=self.anchors)
@@ -241,14 +220,11 @@ def train_dspark(target, prompts, out, *, tokenizer=None, layers: int | None = N
     DSpark checkpoint), the Markov head's rank (0: none), the confidence head, and the three
     loss weights (DeepSpec's 0.1, 0.9, 1.0). The steps run on MLX; `feature_pass`: the frozen
     target's features from the torch backend (`--features-with torch`)."""
-    run = RunSettings(out=out, prompts=prompts, tokenizer=tokenizer, **run_options)
     recipe = DSparkRecipe(
         layers=layers, block_size=block_size, target_layer_ids=target_layer_ids,
         anchors=anchors, gamma=gamma, init=init, init_final_norm=init_final_norm,
         mask_token_id=mask_token_id, markov_rank=markov_rank, confidence_head=confidence_head,
         ce_weight=ce_weight, l1_weight=l1_weight, confidence_weight=confidence_weight,
         feature_pass=feature_pass)
-    run.check()
-    recipe.check_growth(run.out if run.resume else recipe.start_from)
-    raw_features = raw_features_of(feature_pass) if feature_pass is not None else None
-    return train(recipe, target, run, raw_features=raw_features)
+    return train_block_recipe(recipe, target, prompts, out, tokenizer=tokenizer,
+                              feature_pass=feature_pass, **run_options)
