@@ -114,6 +114,11 @@ class DSparkModel(DFlashModel):
         before = self.markov_head.markov_w1(previous).astype(hidden.dtype)
         return mx.concatenate([hidden, before], axis=-1)
 
+    @staticmethod
+    def prefix_survival(confidence: mx.array) -> list[float]:
+        """Slots' confidences (n,) -> c_1, c_1 c_2, ..., read to the host."""
+        return mx.cumprod(confidence).tolist() if confidence.size else []
+
     def walk(self, hidden: mx.array, logits: mx.array, anchors: mx.array, temps: list[float],
              forced: mx.array | None = None) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Drafts (B, n) from the block's normed hidden states (B, n, H), their logits (B, n, V)

@@ -7,8 +7,8 @@
 #   2. a short `mlxspec bench --backend torch --device cuda` (bf16): plain vs lookup vs a draft
 #      model (SmolLM2's first 6 layers) vs DFlash (an untrained drafter in the released format:
 #      it measures DFlash's overhead, not its speedup, on five target layers);
-#   3. the MLX<->torch parity suite (tests/test_torch_backend.py) with the torch side on CUDA in
-#      float32 (MLXSPEC_TORCH_DEVICE=cuda; the MLX side runs where MLX runs, the CPU on Linux).
+#   3. the MLX<->torch parity suites (tests/test_torch_backend.py, test_torch_block_drafters.py)
+#      with the torch side on CUDA in float32 (MLXSPEC_TORCH_DEVICE=cuda; the MLX side runs where MLX runs, the CPU on Linux).
 # Results: docs/results/torch_cuda_{env.txt,parity.log,bench.json,bench.md,bench.log}
 # (also copied to $OUT when that is set). Exit status: non-zero if any step failed.
 #
@@ -89,7 +89,8 @@ timeout 180 "$VENV/bin/mlxspec" bench --backend torch --device "$DEVICE" \
 
 step "parity suite, torch on $DEVICE (float32)"
 # shellcheck disable=SC2086
-MLXSPEC_TORCH_DEVICE="$DEVICE" timeout 330 "$PY" -m pytest tests/test_torch_backend.py -v -s -rA \
+MLXSPEC_TORCH_DEVICE="$DEVICE" timeout 330 "$PY" -m pytest tests/test_torch_backend.py \
+  tests/test_torch_block_drafters.py -v -s -rA \
   -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-} 2>&1 | tee "$RESULTS/torch_cuda_parity.log" \
   || status=1
 

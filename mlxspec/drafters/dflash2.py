@@ -12,18 +12,18 @@ features, deferred while the drafter drafts nothing, the block shrunk near max_t
 checkpoint checked against the target before any weight loads.
 """
 
-import mlx.core as mx
-
 from ..engine import EMPTY_DRAFT, Draft
 from ..backends.mlx.target_parts import target_sizes
 from ..models.dflash2 import DFlash2Config, DFlash2Model, proposal_probs
 from ..sampling import SamplingConfig
-from .dflash import DFlashDrafter, load_checked_model, read_checkpoint
+from .dflash import DFlashDrafter, DFlashDrafting, load_checked_model, read_checkpoint
 
 
-class DFlash2Drafter(DFlashDrafter):
-    """DFlash2 on MLX: chains only (z-lab grows no tree over the walk), over the full vocabulary
-    (the codebooks are indexed by target token)."""
+class DFlash2Drafting(DFlashDrafting):
+    """The host side of DFlash2 drafting, one for both backends: chains only (z-lab grows no
+    tree over the walk), over the full vocabulary (the codebooks are indexed by target token).
+    A backend's subclass brings the model (models.dflash2's or its torch twin) and
+    `_proposal_probs`."""
 
     name = "dflash2"
 
@@ -31,12 +31,12 @@ class DFlash2Drafter(DFlashDrafter):
                       samplings: list[SamplingConfig]) -> list[Draft]:
         """Blocks' hidden states (B, L, H) after each row's pending token -> each row's walk
         over its first sizes[i] slots, from that token; a sampling row's with its proposal q.
-        DFlash's propose and propose_together run the block pass (alone, or the rows' in one)."""
+        DFlash's propose (and, on MLX, propose_together) runs the block pass."""
         slots = hidden[:, 1:]
         logits = self.model.compute_logits(self._in_head_dtype(slots), self.lm_head)
         temps = [s.temp for s in samplings]
         drafts, proposal = self.model.candidate_selector.walk(
-            slots, logits, mx.array(pending, dtype=mx.int32), temps)
+            slots, logits, self._ids(pending)[0], temps)
         out = []
         for i, n in enumerate(sizes):
             if n == 0:
@@ -45,9 +45,21 @@ class DFlash2Drafter(DFlashDrafter):
             probs = None
             if temps[i] > 0:
                 ids, q = proposal
-                probs = proposal_probs(ids[i, :n], q[i, :n], logits.shape[-1])
+                probs = self._proposal_probs(ids[i, :n], q[i, :n], logits.shape[-1])
             out.append(Draft(tokens=drafts[i, :n], probs=probs))
         return out
+
+    def _proposal_probs(self, ids, q, vocab_size: int):
+        """q over each slot's candidates (n, k) -> the dense (n, V) proposal Draft.probs holds."""
+        raise NotImplementedError
+
+
+class DFlash2Drafter(DFlash2Drafting, DFlashDrafter):
+    """DFlash2 on MLX: a chain reads nothing back to the host; a batch's rows draft in one
+    pass (DFlashDrafter.propose_together)."""
+
+    def _proposal_probs(self, ids, q, vocab_size: int):
+        return proposal_probs(ids, q, vocab_size)
 
 
 def load_dflash2_drafter(path, *, model, tokenizer=None, block_size: int | None = None,

@@ -24,17 +24,18 @@ from ..engine import EMPTY_DRAFT, Draft
 from ..file_checks import check_safetensors, safetensors_files
 from ..models.dspark import DSparkConfig, DSparkModel
 from ..sampling import SamplingConfig
-from .dflash import DFlashDrafter, load_checked_model, read_checkpoint
+from .dflash import DFlashDrafter, DFlashDrafting, load_checked_model, read_checkpoint
 from .match_length import ConfidenceDraftLength
 
 
-class DSparkDrafter(DFlashDrafter):
-    """DSpark on MLX: chains, over the full vocabulary, alone or a batch's rows in one pass."""
+class DSparkDrafting(DFlashDrafting):
+    """The host side of DSpark drafting, one for both backends: chains, over the full
+    vocabulary. A backend's subclass brings the model (models.dspark's or its torch twin)."""
 
     name = "dspark"
     free_drafts = True
 
-    def __init__(self, model: DSparkModel, *, confidence_k: bool = True, **parts):
+    def __init__(self, model, *, confidence_k: bool = True, **parts):
         super().__init__(model, **parts)
         self.confidence_k = confidence_k  # the head (where there is one) sets K, or adaptive K
         self.default_num_draft = self.max_draft = self.block_size  # the anchor's slot drafts too
@@ -46,6 +47,43 @@ class DSparkDrafter(DFlashDrafter):
             return EMPTY_DRAFT
         hidden = self.block_hidden(tokens, self.block_size - 1)  # always the whole block
         return self._block_drafts(hidden, [tokens[-1]], [n], [sampling], [self])[0]
+
+    def _block_drafts(self, hidden, pending, sizes, samplings, drafters=None) -> list[Draft]:
+        """Whole blocks' hidden states (B, L, H) -> each row's walk over its first sizes[i]
+        slots; a sampling row's with its q; each row's drafter keeps its confidences."""
+        n = max(sizes)
+        slots = hidden[:, :n]
+        logits = self.model.compute_logits(self._in_head_dtype(slots), self.lm_head)
+        temps = [s.temp for s in samplings]
+        drafts, q, confidence = self.model.walk(slots, logits, self._ids(pending)[0], temps)
+        out = []
+        for i, size in enumerate(sizes):
+            if confidence is not None and drafters is not None:
+                drafters[i]._confidence = confidence[i, :size]
+            if size == 0:
+                out.append(EMPTY_DRAFT)
+                continue
+            probs = q[i, :size] if temps[i] > 0 else None
+            out.append(Draft(tokens=drafts[i, :size], probs=probs))
+        return out
+
+    def confidence_reach(self) -> list[float]:
+        """The last draft's prefix survival c_1, c_1 c_2, ... (read to the host)."""
+        if self._confidence is None:
+            return []
+        return self.model.prefix_survival(self._confidence)
+
+    def draft_policy(self, max_k: int, greedy: bool):
+        if not self.confidence_k or getattr(self.model, "confidence_head", None) is None:
+            return super().draft_policy(max_k, greedy)
+        policies = self.__dict__.setdefault("_draft_policies", {})
+        if (max_k, greedy) not in policies:
+            policies[max_k, greedy] = ConfidenceDraftLength(max_k, lambda: self.confidence_reach())
+        return policies[max_k, greedy]
+
+
+class DSparkDrafter(DSparkDrafting, DFlashDrafter):
+    """DSpark on MLX: alone, or a batch's rows in one pass."""
 
     @staticmethod
     def propose_together(drafters, tokens, ks, samplings):
@@ -61,40 +99,6 @@ class DSparkDrafter(DFlashDrafter):
         hidden = first.model.rows(first._embed(blocks), [d.cache for d in drafters],
                                   [width] * len(drafters))
         return first._block_drafts(hidden, [t[-1] for t in tokens], sizes, samplings, drafters)
-
-    def _block_drafts(self, hidden, pending, sizes, samplings, drafters=None) -> list[Draft]:
-        """Whole blocks' hidden states (B, L, H) -> each row's walk over its first sizes[i]
-        slots; a sampling row's with its q; each row's drafter keeps its confidences."""
-        n = max(sizes)
-        slots = hidden[:, :n]
-        logits = self.model.compute_logits(self._in_head_dtype(slots), self.lm_head)
-        temps = [s.temp for s in samplings]
-        drafts, q, confidence = self.model.walk(
-            slots, logits, mx.array(pending, dtype=mx.int32), temps)
-        out = []
-        for i, size in enumerate(sizes):
-            if confidence is not None and drafters is not None:
-                drafters[i]._confidence = confidence[i, :size]
-            if size == 0:
-                out.append(EMPTY_DRAFT)
-                continue
-            probs = q[i, :size] if temps[i] > 0 else None
-            out.append(Draft(tokens=drafts[i, :size], probs=probs))
-        return out
-
-    def confidence_reach(self) -> list[float]:
-        """The last draft's prefix survival c_1, c_1 c_2, ... (read to the host)."""
-        if self._confidence is None or not self._confidence.size:
-            return []
-        return mx.cumprod(self._confidence).tolist()
-
-    def draft_policy(self, max_k: int, greedy: bool):
-        if not self.confidence_k or getattr(self.model, "confidence_head", None) is None:
-            return super().draft_policy(max_k, greedy)
-        policies = self.__dict__.setdefault("_draft_policies", {})
-        if (max_k, greedy) not in policies:
-            policies[max_k, greedy] = ConfidenceDraftLength(max_k, lambda: self.confidence_reach())
-        return policies[max_k, greedy]
 
 
 def load_dspark_drafter(path, *, model, tokenizer=None, dtype=None, window: int | None = None,

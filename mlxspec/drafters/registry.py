@@ -371,7 +371,8 @@ register(DrafterKind(
 ))
 register(DrafterKind(
     "dflash2",
-    {"mlx": lazy("mlxspec.drafters.dflash2", "load_dflash2_drafter")},
+    {"mlx": lazy("mlxspec.drafters.dflash2", "load_dflash2_drafter"),
+     "torch": lazy("mlxspec.backends.torch.dflash2", "load_dflash2_drafter")},
     options=(
         BLOCK_SIZE,
         DRAFTER_WINDOW,
@@ -384,7 +385,8 @@ register(DrafterKind(
 ))
 register(DrafterKind(
     "dspark",
-    {"mlx": lazy("mlxspec.drafters.dspark", "load_dspark_drafter")},
+    {"mlx": lazy("mlxspec.drafters.dspark", "load_dspark_drafter"),
+     "torch": lazy("mlxspec.backends.torch.dspark", "load_dspark_drafter")},
     options=(
         DRAFTER_WINDOW,
         DrafterOption(

@@ -4,8 +4,9 @@ Only reached through `mlxspec.load(..., backend="torch")` (or a transformers mod
 `stream_generate`), by way of its record in mlxspec.backends; importing this package imports
 torch, and nothing on the MLX path imports it.
 Targets are transformers causal LMs with a cropped DynamicCache; acceptance, the processed
-distribution q and DFlash are torch twins of the MLX ones; the draft-model drafter is torch tensor
-math under the MLX one's host side; prompt lookup works on host token lists and is shared.
+distribution q and DFlash's backbone are torch twins of the MLX ones; the draft-model, DFlash2 and
+DSpark drafters are torch tensor math (DFlash2's and DSpark's only what they add to the backbone)
+under the MLX ones' host side; prompt lookup works on host token lists and is shared.
 """
 
 import torch

@@ -57,10 +57,12 @@ def rope_inverse_frequencies(head_dim: int, rope: dict) -> tuple[torch.Tensor, f
 
 
 class RoPE:
-    """Rotate-half RoPE at absolute positions offset .. offset+L-1, computed in float32."""
+    """RoPE at absolute positions offset .. offset+L-1, computed in float32: rotate-half (NeoX),
+    or `traditional`, rotating interleaved pairs (GPT-J; LFM2.5's DSpark)."""
 
-    def __init__(self, head_dim: int, rope: dict):
+    def __init__(self, head_dim: int, rope: dict, traditional: bool = False):
         self.inv_freq, self.scale = rope_inverse_frequencies(head_dim, rope)
+        self.traditional = traditional
         self._on: dict = {}
 
     def __call__(self, x: torch.Tensor, offset: int) -> torch.Tensor:
@@ -73,6 +75,10 @@ class RoPE:
         angles = positions[:, None] * inv_freq[None]  # (L, head_dim/2)
         cos, sin = angles.cos(), angles.sin()
         xf = x.float()
+        if self.traditional:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            turned = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+            return turned.flatten(-2).to(x.dtype)
         x1, x2 = xf.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -165,7 +171,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, rope, start, context):
-        h = x + self.self_attn(self.input_layernorm(x), rope, start, context)
+        return self.around(x, lambda n: self.self_attn(n, rope, start, context))
+
+    def around(self, x, attend):
+        """The layer around an attention `attend` (normed input -> output), as on MLX: one body
+        for every block drafter (DFlash2 wraps each sublayer in its convolutions)."""
+        h = x + attend(self.input_layernorm(x))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -205,19 +216,22 @@ class ContextKV:
 class DFlashModel(nn.Module):
     """The drafter. `own_embed`/`own_head`: the checkpoint carries embed_tokens/lm_head."""
 
+    layer_class = DecoderLayer
+
     def __init__(self, args: DFlashConfig, *, own_embed: bool = False, own_head: bool = False):
         super().__init__()
         self.args = args
         H = args.hidden_size
         self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, args.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(args, t) for t in args.layer_types)
+        self.layers = nn.ModuleList(self.layer_class(args, t) for t in args.layer_types)
         self.norm = RMSNorm(H, args.rms_norm_eps)
         if own_embed:
             self.embed_tokens = nn.Embedding(args.vocab_size, H)
         if own_head:
             self.lm_head = nn.Linear(H, args.vocab_size, bias=False)
-        self.rope = RoPE(args.head_dim, args.rope)
+        self.rope = RoPE(args.head_dim, args.rope,
+                         traditional=not getattr(args, "rope_is_neox_style", True))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -310,11 +324,13 @@ def read_weights(path: Path, device) -> dict[str, torch.Tensor]:
     return weights
 
 
-def build_checked(args: DFlashConfig, weights: dict[str, torch.Tensor]) -> DFlashModel:
-    """The model the weights describe, loaded; names any missing, wrong-shaped or unexpected
-    weight as mlxspec.models.dflash.check_weights does."""
+def build_checked(args: DFlashConfig, weights: dict[str, torch.Tensor],
+                  model_class: type = None) -> "DFlashModel":
+    """The `model_class` model (DFlashModel's or a kind's) the weights describe, loaded; names
+    any missing, wrong-shaped or unexpected weight as mlxspec.models.dflash.check_weights does."""
+    model_class = model_class or DFlashModel
     with torch.device("meta"):  # shapes only: the checkpoint's tensors are assigned below
-        model = DFlashModel(args, own_embed="embed_tokens.weight" in weights,
+        model = model_class(args, own_embed="embed_tokens.weight" in weights,
                             own_head="lm_head.weight" in weights)
     check_weight_shapes(args, {name: p.shape for name, p in model.state_dict().items()}, weights)
     model.load_state_dict(weights, strict=True, assign=True)
@@ -335,20 +351,26 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
                                           draft_vocab=draft_vocab, tree_budget=tree_budget,
                                           tree_width=tree_width, window=window)
+    drafter_model, parts = load_checked_model(path, args, model)
+    return TorchDFlashDrafter(drafter_model, **parts, **options)
+
+
+def load_checked_model(path, args, model, model_class: type = None):
+    """A block drafter's torch model (`model_class`, DFlashModel by default) with its checked
+    weights on the target's device and in its dtype, and the target's parts it drafts with
+    (drafters.dflash.load_checked_model on MLX)."""
     device = model_device(model)
-    drafter_model = build_checked(args, read_weights(path, device))
+    drafter_model = build_checked(args, read_weights(path, device), model_class)
     drafter_model.to(device=device, dtype=next(model.parameters()).dtype)
     embed = getattr(drafter_model, "embed_tokens", None)
     head = getattr(drafter_model, "lm_head", None)
     if head is None and embed is not None and args.tie_word_embeddings:
         head = _WeightHead(embed.weight)
-    return TorchDFlashDrafter(
-        drafter_model,
+    return drafter_model, dict(
         embed_tokens=embed if embed is not None else model.get_input_embeddings(),
         lm_head=head if head is not None else model.get_output_embeddings(),
         final_norm=final_norm_of(model),
         target_layers=len(decoder_layers(model)),
-        **options,
     )
 
 
