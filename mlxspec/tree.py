@@ -63,20 +63,34 @@ def best_first_tree(logprobs: list[list[float]], budget: int) -> tuple[list[int]
     is its parent's plus its own) from the root: a node's first child is its rank-0
     candidate, so the tree's first chain is the chain of argmaxes. Returns each node's rank at
     its depth, and the shape."""
-    ranks, parents = [], []
-    frontier = [(-logprobs[0][0], 0, 0, 0)] if budget > 0 and logprobs and logprobs[0] else []
-    while frontier and len(ranks) < budget:
-        neg_score, parent, depth, rank = heapq.heappop(frontier)
-        ranks.append(rank)
+    rows = [list(zip(row, range(len(row)))) for row in logprobs]
+    return best_first_conditional(lambda depth, parent: rows[depth], len(rows), budget)
+
+
+def best_first_conditional(candidates, depths: int, budget: int) -> tuple[list, TreeShape]:
+    """best_first_tree over candidates that depend on the parent's: `candidates(d, choice)` is
+    [(log-probability, choice), ...] best first at depth d + 1 below a node that made `choice`
+    (None: the root), as DFlash2's pair scores give (a slot's candidates scored after each of
+    the slot before's). Returns each node's choice, and the shape."""
+    choices, parents = [], []
+    first = candidates(0, None) if budget > 0 and depths > 0 else []
+    frontier = [(-first[0][0], 0, 0, 0, None)] if first else []
+    while frontier and len(choices) < budget:
+        neg_score, parent, depth, rank, above = heapq.heappop(frontier)
+        row = candidates(depth, above)
+        logprob, choice = row[rank]
+        choices.append(choice)
         parents.append(parent)
-        node = len(ranks)
+        node = len(choices)
         score = -neg_score
-        if rank + 1 < len(logprobs[depth]):  # the next sibling: same parent, next candidate
-            sibling = score - logprobs[depth][rank] + logprobs[depth][rank + 1]
-            heapq.heappush(frontier, (-sibling, parent, depth, rank + 1))
-        if depth + 1 < len(logprobs):  # the first child: the next depth's best candidate
-            heapq.heappush(frontier, (-(score + logprobs[depth + 1][0]), node, depth + 1, 0))
-    return ranks, TreeShape(tuple(parents))  # numbered as added: parents before children
+        if rank + 1 < len(row):  # the next sibling: same parent, next candidate
+            sibling = score - logprob + row[rank + 1][0]
+            heapq.heappush(frontier, (-sibling, parent, depth, rank + 1, above))
+        if depth + 1 < depths:  # the first child: the next depth's best candidate after this
+            below = candidates(depth + 1, choice)
+            if below:
+                heapq.heappush(frontier, (-(score + below[0][0]), node, depth + 1, 0, choice))
+    return choices, TreeShape(tuple(parents))  # numbered as added: parents before children
 
 
 def best_first_drafts(logprobs: list[list[float]], ids: list[list[int]],

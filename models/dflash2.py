@@ -165,6 +165,20 @@ class CandidateSelector(nn.Module):
         drafts = mx.stack(path, axis=1).astype(mx.int32)
         return drafts, ((ids, mx.stack(qs, axis=1)) if qs else None)
 
+    def pair_logprobs(self, hidden: mx.array, logits: mx.array, anchor: mx.array):
+        """For a tree over one block's candidates: ids (n, k), log softmax of slot 1's scores
+        after the pending token `anchor` (1,) -> (k,), and of each later slot's scores after each
+        candidate of the slot before, (n - 1, k, k) [before, after]. hidden (1, n, H), logits
+        (1, n, V)."""
+        ids, unary = self.candidates(logits)
+        ids, unary, projected = ids[0], unary[0], self.hidden_projection(hidden)[0]
+        first = self.scores(projected[:1], unary[:1], ids[:1], anchor)[0]
+        edge = self.predecessor_codebook[ids[:-1]] * projected[1:, None, :]  # (n - 1, k, R)
+        after = mx.swapaxes(self.successor_codebook[ids[1:]], -1, -2)  # (n - 1, R, k)
+        pairs = unary[1:, None, :] + edge.astype(after.dtype) @ after
+        return (ids, nn.log_softmax(first.astype(mx.float32), axis=-1),
+                nn.log_softmax(pairs.astype(mx.float32), axis=-1))
+
     def forced_q(self, hidden: mx.array, logits: mx.array, anchors: mx.array,
                  drafts: mx.array, temp: float) -> tuple[mx.array, mx.array]:
         """(candidate ids, q) (B, n, k) of the walk that drew `drafts` (B, n): every step's

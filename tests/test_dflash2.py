@@ -32,6 +32,7 @@ from mlxspec.engine import Drafter, Verdict
 from mlxspec.models import dflash2 as dflash2_model
 from mlxspec.models.dflash2 import DFlash2Config, DFlash2Model, grouped_convolve
 from mlxspec.sampling import SamplingConfig
+from mlxspec.tree import TreeShape
 
 
 def dflash2_config(*, vocab=12, hidden=32, target_layers=4, top_k=4, **overrides) -> dict:
@@ -208,6 +209,71 @@ def test_a_sampled_draft_carries_its_walks_q(target, drafter_dir):
     assert all((probs[t] > 0).sum() <= drafter.model.candidate_selector.top_k for t in range(5))
 
 
+# ---- trees over the candidates -------------------------------------------------------------------
+
+
+def tree_paths(draft) -> set[tuple[int, ...]]:
+    """Every node of a tree draft as the token path from the root to it."""
+    paths = [()]
+    for token, parent in zip(draft.tokens, draft.parents):
+        paths.append(paths[parent] + (int(token),))
+    return set(paths[1:])
+
+
+def best_paths_by_hand(drafter, prompt, slots, width, budget) -> set[tuple[int, ...]]:
+    """The `budget` most probable prefix-closed paths, every one enumerated in numpy: a node's
+    children its slot's `width` candidates best by log softmax of the pair scores after it."""
+    hidden = drafter.block_hidden(prompt, slots)[0, 1:]
+    logits = np.array(drafter.model.compute_logits(hidden, drafter.lm_head))
+    selector = drafter.model.candidate_selector
+    A, B = np.array(selector.predecessor_codebook), np.array(selector.successor_codebook)
+    projected = np.array(selector.hidden_projection(hidden))
+    scored, frontier = {}, [((), 0.0, prompt[-1])]
+    for t in range(slots):
+        top = np.argsort(-logits[t])[: selector.top_k]
+        grown = []
+        for path, score, before in frontier:
+            pair = logits[t, top] + (A[before] * projected[t]) @ B[top].T
+            logprobs = pair - np.log(np.exp(pair - pair.max()).sum()) - pair.max()
+            for j in np.argsort(-logprobs)[:width]:
+                child = (path + (int(top[j]),), score + float(logprobs[j]), int(top[j]))
+                scored[child[0]] = child[1]
+                grown.append(child)
+        frontier = grown
+    return set(sorted(scored, key=scored.get, reverse=True)[:budget])
+
+
+@pytest.mark.parametrize("budget,width", [(12, 3), (30, 2), (5, 4)])
+def test_a_tree_holds_the_most_probable_branches_by_pair_score(target, drafter_dir, budget,
+                                                               width):
+    """--tree-budget: the tree is the `budget` most probable branches, each step scored by
+    the pair scores after its parent's token, not the slot's own logits; its first chain is
+    the greedy walk."""
+    chain = load_dflash2_drafter(drafter_dir, model=target)
+    tree = load_dflash2_drafter(drafter_dir, model=target, tree_budget=budget, tree_width=width)
+    assert tree.max_draft == tree.default_num_draft == budget
+    prompt = PROMPTS[2]
+    started(chain, target, prompt)
+    started(tree, target, prompt)
+    slots = min(budget, tree.block_size - 1)
+    draft = tree.propose(prompt, budget, GREEDY)
+    assert draft.probs is None and len(draft.tokens) == budget
+    assert tree_paths(draft) == best_paths_by_hand(tree, prompt, slots, width, budget)
+    walk = tuple(chain.propose(prompt, slots, GREEDY).tokens.tolist())
+    first = tuple(draft.tokens[n - 1] for n in TreeShape(draft.parents).first_chain())
+    assert len(first) > 1 and first == walk[: len(first)]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("budget", [1, 6, 20])
+def test_tree_drafts_are_lossless(target, drafter_dir, prompt, budget):
+    plain, _ = run(target, Drafter(), prompt)
+    drafter = load_dflash2_drafter(drafter_dir, model=target, tree_budget=budget, tree_width=3)
+    out, stats = run(target, drafter, prompt, k=budget)
+    assert out == plain
+    assert stats.drafted > 0 and stats.chain_fallback_steps == 0
+
+
 # ---- lossless -----------------------------------------------------------------------------------
 
 
@@ -301,20 +367,33 @@ def test_cli_api_and_server_give_plain_decodings_text(smollm_dir, smollm, smollm
     assert_cli_api_batch_and_server_are_plain("dflash2", smollm_dir, smollm, smollm_dflash2)
 
 
+def test_cli_trees_give_plain_decodings_text(smollm_dir, smollm_dflash2):
+    from test_cli import gen, ok
+
+    flags = ("--model", str(smollm_dir), "--temp", "0", "--max-tokens", "12")
+    plain = ok(gen(*flags))
+    tree = ok(gen(*flags, "--drafter", "dflash2", "--drafter-model", str(smollm_dflash2),
+                  "--tree-budget", "8", "--tree-width", "2", "--verbose"))
+    assert tree.stdout == plain.stdout and plain.stdout.strip()
+    assert "Drafter: dflash2" in tree.stderr
+
+
 @pytest.fixture(scope="module")
 def small_vocab_target():
     return tiny_llama(vocab=VOCAB, seed=11, sharpness=2.5)
 
 
-def sampling_drafter(model, tmp_path):
+def sampling_drafter(model, tmp_path, **options):
     path = make_dflash2_dir(tmp_path, seed=5, vocab=VOCAB, target_layers=2,
                             target_layer_ids=[0, 1], top_k=3)
-    return load_dflash2_drafter(path, model=model)
+    return load_dflash2_drafter(path, model=model, **options)
 
 
 @pytest.mark.slow  # χ²: thousands of sampled generations
-def test_sampled_output_follows_target_distribution(small_vocab_target, tmp_path):
-    pvalue = sampled_pvalue(small_vocab_target, sampling_drafter(small_vocab_target, tmp_path))
+@pytest.mark.parametrize("options", [{}, dict(tree_budget=4, tree_width=2)], ids=["chain", "tree"])
+def test_sampled_output_follows_target_distribution(small_vocab_target, tmp_path, options):
+    drafter = sampling_drafter(small_vocab_target, tmp_path, **options)
+    pvalue = sampled_pvalue(small_vocab_target, drafter)
     assert pvalue > 0.001, f"p = {pvalue:.2g}"
 
 

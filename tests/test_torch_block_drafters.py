@@ -181,6 +181,25 @@ def test_the_confidence_head_sets_k_on_torch_as_on_mlx(targets, tmp_path, monkey
     assert 0 < on_mlx[1][1] < on_mlx[1][0] * ours.max_draft  # the head cut some drafts
 
 
+def test_dflash2_trees_match_mlx(targets, tmp_path):
+    """--tree-budget on torch: the same tree (tokens and shape), and the same loop."""
+    path = make_dflash2_dir(tmp_path / "dflash2", seed=3, target_layer_ids=[1, 3])
+    options = dict(tree_budget=10, tree_width=3)
+    mlx_target, twin = targets
+    ours = mlxspec.load_drafter("dflash2", path, model=mlx_target, tokenizer=None, **options)
+    theirs = mlxspec.load_drafter("dflash2", path, model=twin, tokenizer=None, **options)
+    begun(ours, MLXTarget, mlx_target)
+    begun(theirs, TorchTarget, twin)
+    mine, yours = ours.propose(PROMPT, 10, GREEDY), theirs.propose(PROMPT, 10, GREEDY)
+    assert (yours.tokens, yours.parents) == (mine.tokens, mine.parents)
+    assert len(set(mine.parents)) < len(mine.parents)  # a tree, not a chain
+    on_mlx = _loop(MLXTarget(mlx_target, capture_layers=ours.capture_layers, speculative=True),
+                   ours, num_draft=10)
+    on_torch = _loop(TorchTarget(twin, capture_layers=theirs.capture_layers, speculative=True),
+                     theirs, num_draft=10)
+    assert on_torch == on_mlx
+
+
 def test_wrong_shapes_are_refused_on_torch_as_on_mlx(targets, tmp_path):
     path = make_dflash2_dir(tmp_path / "dflash2", seed=3)
     weights = mx.load(str(path / "model.safetensors"))

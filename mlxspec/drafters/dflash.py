@@ -109,6 +109,10 @@ class DFlashDrafting(Drafter):
         log-probabilities and their target ids (through draft_ids)."""
         raise NotImplementedError
 
+    def _host_lists(self, *arrays) -> list:
+        """Arrays read to the host as nested lists, in one sync."""
+        raise NotImplementedError
+
     # ---- shared ----
 
     @property
@@ -281,6 +285,10 @@ class DFlashDrafter(DFlashDrafting):
     def _best_rows(self, logits: mx.array, width: int) -> tuple[list, list]:
         return best_rows(nn.log_softmax(logits.astype(mx.float32), axis=-1), width,
                          self.draft_ids)
+
+    def _host_lists(self, *arrays) -> list:
+        mx.eval(*arrays)
+        return [a.tolist() for a in arrays]
 
 
 def check_block_size(block_size: int | None, trained: int) -> int:

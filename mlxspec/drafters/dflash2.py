@@ -7,6 +7,9 @@ the candidates) goes with the draft as Draft.probs: the loop's rejection rule, m
 the residual max(0, p - q), then keeps the output the target's own in distribution. The walk
 runs on the device: a chain reads nothing back to the host, alone or in a batch.
 
+With --tree-budget, a step drafts a tree instead (`_propose_tree`): DDTree's best-first growth
+over the same candidates, a node's children ranked by the pair scores after its own token.
+
 Everything else is DFlash's (drafters.dflash): the context kept as K/V of the target's
 features, deferred while the drafter drafts nothing, the block shrunk near max_tokens, the
 checkpoint checked against the target before any weight loads.
@@ -16,12 +19,14 @@ from ..engine import EMPTY_DRAFT, Draft
 from ..backends.mlx.target_parts import target_sizes
 from ..models.dflash2 import DFlash2Config, DFlash2Model, proposal_probs
 from ..sampling import SamplingConfig
+from ..tree import best_first_conditional
 from .dflash import DFlashDrafter, DFlashDrafting, load_checked_model, read_checkpoint
 
 
 class DFlash2Drafting(DFlashDrafting):
-    """The host side of DFlash2 drafting, one for both backends: chains only (z-lab grows no
-    tree over the walk), over the full vocabulary (the codebooks are indexed by target token).
+    """The host side of DFlash2 drafting, one for both backends: chains, or trees over the
+    candidates (z-lab grows none), over the full vocabulary (the codebooks are indexed by
+    target token).
     A backend's subclass brings the model (models.dflash2's or its torch twin) and
     `_proposal_probs`."""
 
@@ -53,6 +58,27 @@ class DFlash2Drafting(DFlashDrafting):
         """q over each slot's candidates (n, k) -> the dense (n, V) proposal Draft.probs holds."""
         raise NotImplementedError
 
+    def _propose_tree(self, tokens: list[int], slots: int, budget: int) -> Draft:
+        """The block's candidates grown best-first into the `budget` most probable branches, a
+        node's children its slot's `tree_width` candidates ranked by their pair scores after
+        the node's token (log softmax S, the walk's own scores): DDTree with the selector's
+        bigram, read to the host once. The first chain is the greedy walk. Children are
+        deterministic (Draft.probs None), which the tree rule keeps lossless when sampling."""
+        hidden = self.block_hidden(tokens, slots)[:, 1:]
+        logits = self.model.compute_logits(self._in_head_dtype(hidden), self.lm_head)
+        ids, first, pairs = self._host_lists(*self.model.candidate_selector.pair_logprobs(
+            hidden, logits, self._ids(tokens[-1:])[0]))
+        width = self.tree_width
+
+        def ranked(row):
+            return sorted(zip(row, range(len(row))), reverse=True)[:width]
+
+        rows = [ranked(first)] + [[ranked(after) for after in slot] for slot in pairs]
+        choices, shape = best_first_conditional(
+            lambda depth, above: rows[0] if depth == 0 else rows[depth][above], len(rows), budget)
+        drafts = [ids[shape.depth[node] - 1][c] for node, c in enumerate(choices, start=1)]
+        return Draft(tokens=drafts, parents=shape.parents)
+
 
 class DFlash2Drafter(DFlash2Drafting, DFlashDrafter):
     """DFlash2 on MLX: a chain reads nothing back to the host; a batch's rows draft in one
@@ -63,16 +89,20 @@ class DFlash2Drafter(DFlash2Drafting, DFlashDrafter):
 
 
 def load_dflash2_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
-                         dtype=None, window: int | None = None) -> DFlash2Drafter:
+                         tree_budget: int | None = None, tree_width: int = 4, dtype=None,
+                         window: int | None = None) -> DFlash2Drafter:
     """Load a DFlash2 checkpoint (z-lab's DFlash2DraftModel layout: config.json with a
     dflash_config naming its convolutions and selector, *.safetensors) for target `model`, from
     a directory or a Hub repo id (through the Hugging Face cache; HF_HUB_OFFLINE applies).
 
     The config is checked against the target, then every weight name and shape against the
-    config, before any compute. `block_size`, `dtype` and `window` are DFlash's (see
+    config, before any compute. `tree_budget`: draft a tree of up to this many nodes, each
+    node's `tree_width` best successors by pair score. `block_size`, `dtype` and `window` are
+    DFlash's (see
     drafters.dflash.load_dflash_drafter). `tokenizer` is accepted for symmetry."""
     path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
-                                          draft_vocab=False, tree_budget=None, tree_width=4,
-                                          window=window, config_class=DFlash2Config)
+                                          draft_vocab=False, tree_budget=tree_budget,
+                                          tree_width=tree_width, window=window,
+                                          config_class=DFlash2Config)
     drafter_model, parts = load_checked_model(path, args, model, dtype, DFlash2Model)
-    return DFlash2Drafter(drafter_model, block_size=options["block_size"], **parts)
+    return DFlash2Drafter(drafter_model, **options, **parts)

@@ -295,12 +295,13 @@ TREE_BUDGET = DrafterOption(
     "tree_budget", "--tree-budget", type=int, minimum=1, maximum=MAX_TREE_BUDGET,
     help="Draft a tree of up to N nodes each step, verified in one pass, instead of a chain "
          "(DFlash and Medusa: DDTree, grown best-first from each block slot's or head's best "
-         "tokens; EAGLE-3 and MTP: EAGLE-2's dynamic tree); the budget used is chosen by "
+         "tokens; DFlash2: the same over its candidates, each ranked by its pair score after "
+         "its parent; EAGLE-3 and MTP: EAGLE-2's dynamic tree); the budget used is chosen by "
          "measured throughput.")
 TREE_WIDTH = DrafterOption(
     "tree_width", "--tree-width", type=int, default=4, minimum=1,
     help="With --tree-budget: the most children a tree node may have (DFlash, Medusa: the best "
-         "tokens of each block slot or head; EAGLE-3, MTP: each expanded node's best tokens, and nodes "
+         "tokens of each block slot or head; DFlash2: of its slot's candidates; EAGLE-3, MTP: each expanded node's best tokens, and nodes "
          "expanded per depth).")
 BLOCK_SIZE = DrafterOption(
     "block_size", "--block-size", type=int,
@@ -375,6 +376,8 @@ register(DrafterKind(
      "torch": lazy("mlxspec.backends.torch.dflash2", "load_dflash2_drafter")},
     options=(
         BLOCK_SIZE,
+        TREE_BUDGET,
+        TREE_WIDTH,
         DRAFTER_WINDOW,
     ),
     checkpoint=Checkpoint(

@@ -308,6 +308,9 @@ class TorchDFlashDrafter(DFlashDrafting):
         ids = best if self.draft_ids is None else self.draft_ids[best]
         return scores.tolist(), ids.tolist()
 
+    def _host_lists(self, *arrays) -> list:
+        return [a.tolist() for a in arrays]  # a CPU copy each: the first waits for the stream
+
 
 # ---- Checkpoint files and the target's side --------------------------------------------------
 

@@ -99,6 +99,16 @@ class CandidateSelector(nn.Module):
         drafts = torch.stack(path, dim=1)
         return drafts, ((ids, torch.stack(qs, dim=1)) if qs else None)
 
+    def pair_logprobs(self, hidden, logits, anchor):
+        """models.dflash2.CandidateSelector.pair_logprobs: ids, first (k,), pairs (n-1, k, k)."""
+        ids, unary = self.candidates(logits)
+        ids, unary, projected = ids[0], unary[0], self.hidden_projection(hidden)[0]
+        first = self.scores(projected[:1], unary[:1], ids[:1], anchor)[0]
+        edge = self.predecessor_codebook[ids[:-1]] * projected[1:, None, :]
+        pairs = unary[1:, None, :] + edge @ self.successor_codebook[ids[1:]].transpose(-1, -2)
+        return (ids, torch.log_softmax(first.float(), dim=-1),
+                torch.log_softmax(pairs.float(), dim=-1))
+
     def forced_q(self, hidden, logits, anchors, drafts, temp: float):
         """(candidate ids, q) (B, n, k) of the walk that drew `drafts` (B, n)."""
         ids, unary = self.candidates(logits)
@@ -133,11 +143,13 @@ class TorchDFlash2Drafter(DFlash2Drafting, TorchDFlashDrafter):
 
 
 def load_dflash2_drafter(path, *, model, tokenizer=None, block_size: int | None = None,
+                         tree_budget: int | None = None, tree_width: int = 4,
                          window: int | None = None) -> TorchDFlash2Drafter:
     """Load a DFlash2 checkpoint for a transformers target `model` (see the MLX loader); the
     drafter runs on the target's device, in the target's dtype."""
     path, args, options = read_checkpoint(path, target_sizes(model), block_size=block_size,
-                                          draft_vocab=False, tree_budget=None, tree_width=4,
-                                          window=window, config_class=DFlash2Config)
+                                          draft_vocab=False, tree_budget=tree_budget,
+                                          tree_width=tree_width, window=window,
+                                          config_class=DFlash2Config)
     drafter_model, parts = load_checked_model(path, args, model, DFlash2Model)
-    return TorchDFlash2Drafter(drafter_model, block_size=options["block_size"], **parts)
+    return TorchDFlash2Drafter(drafter_model, **options, **parts)
