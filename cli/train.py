@@ -197,6 +197,9 @@ def command_for(kind: registry.TrainerKind) -> click.Command:
             problem = option.problem(options.get(option.name))
             if problem:
                 raise click.BadParameter(problem, param_hint=option.flag)
+        together = kind.check(options) if kind.check is not None else None
+        if together:
+            raise click.UsageError(together)
         run_training(kind, target, dtype, generate_with, **options)
 
     out = click.option("--out", required=True, type=click.Path(file_okay=False),

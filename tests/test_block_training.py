@@ -350,6 +350,8 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path):
          "Error: Invalid value for --markov-rank: must be >= 0, got -2"),
         (["dspark", "--loss-vocab", "0"],
          "Error: Invalid value for --loss-vocab: must be >= 1, got 0"),
+        (["dspark", "--ce-weight", "0", "--l1-weight", "0"],  # options together, before loading
+         "Error: --ce-weight and --l1-weight cannot both be 0: nothing would train the drafts"),
     ]:
         result = runner.invoke(main, ["train", *args, "--prompts", "sharegpt", "--out",
                                       str(tmp_path / "x")])

@@ -70,6 +70,9 @@ class TrainerKind:
     help: str  # the command's --help line
     out_help: str  # what --out holds
     options: tuple[TrainerOption, ...] = ()
+    # What is wrong with the options together (their values by name), or None: checked with
+    # each option's own bound, before anything loads.
+    check: Callable[[dict], str | None] | None = None
 
 
 _REGISTERED: dict[str, TrainerKind] = {}
@@ -271,4 +274,6 @@ register(TrainerKind(
         BLOCK_LOSS_VOCAB,
         FEATURES_WITH,
     ),
+    check=lambda o: ("--ce-weight and --l1-weight cannot both be 0: nothing would train the "
+                     "drafts") if o.get("ce_weight") == 0 and o.get("l1_weight") == 0 else None,
 ))
