@@ -54,11 +54,14 @@ def assert_loads_exactly_its_weights(drafter, path) -> dict:
     return stored
 
 
-def sampled_counts(model, drafter) -> tuple[Counter, SpecStats]:
-    mx.random.seed(1234)
+def sampled_counts(model, drafter, target_class=MLXTarget,
+                   seed=mx.random.seed) -> tuple[Counter, SpecStats]:
+    """The sampled outputs of SAMPLES generations (on torch: a transformers model, TorchTarget
+    and torch.manual_seed)."""
+    seed(1234)
     counts, stats = Counter(), SpecStats()
     for _ in range(SAMPLES):
-        target = MLXTarget(model, capture_layers=drafter.capture_layers, speculative=True)
+        target = target_class(model, capture_layers=drafter.capture_layers, speculative=True)
         out = speculative_tokens(target, drafter, PROMPT, sampling=SAMPLING, max_tokens=LENGTH,
                                  num_draft=2, stats=stats)
         counts[tuple(t for t, _ in out)] += 1

@@ -352,15 +352,18 @@ def test_rows_of_a_batch_draft_in_one_pass_as_each_alone(target, drafter_dir, sa
         np.testing.assert_allclose(np.array(draft.probs), want, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def smollm_dflash2(smollm_dir, tmp_path_factory):
+def make_smollm_dflash2(path):
     """A random 1-layer DFlash2 that fits the default SmolLM2 (real text to draft for)."""
     config = dflash2_config(vocab=49152, hidden=576, target_layers=30, num_hidden_layers=1,
                             layer_types=["full_attention"], target_layer_ids=[1, 27],
                             mask_token_id=0, intermediate_size=64)
     config["dflash_config"]["conv_group_size"] = 64
-    return save_drafter(tmp_path_factory.mktemp("smollm_dflash2"), config,
-                        dflash2_weights(config))
+    return save_drafter(path, config, dflash2_weights(config))
+
+
+@pytest.fixture(scope="module")
+def smollm_dflash2(smollm_dir, tmp_path_factory):
+    return make_smollm_dflash2(tmp_path_factory.mktemp("smollm_dflash2"))
 
 
 def test_cli_api_and_server_give_plain_decodings_text(smollm_dir, smollm, smollm_dflash2):

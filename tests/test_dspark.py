@@ -274,13 +274,16 @@ def test_batch_generate_gives_each_prompt_its_plain_decoding(target, drafter_dir
                                   drafter=drafter).token_ids == plain.token_ids
 
 
-@pytest.fixture(scope="module")
-def smollm_dspark(smollm_dir, tmp_path_factory):
+def make_smollm_dspark(path):
     """A random 1-layer LFM2.5-layout DSpark that fits the default SmolLM2 (its embedding and
     head are the target's)."""
-    return make_dir(tmp_path_factory.mktemp("smollm_dspark"), "lfm", vocab=49152, hidden=576,
-                    target_layers=30, layers=1, target_layer_ids=[1, 27],
-                    mask_token_id=0, intermediate_size=64)
+    return make_dir(path, "lfm", vocab=49152, hidden=576, target_layers=30, layers=1,
+                    target_layer_ids=[1, 27], mask_token_id=0, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def smollm_dspark(smollm_dir, tmp_path_factory):
+    return make_smollm_dspark(tmp_path_factory.mktemp("smollm_dspark"))
 
 
 def test_cli_api_and_server_give_plain_decodings_text(smollm_dir, smollm, smollm_dspark):

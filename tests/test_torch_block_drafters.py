@@ -8,8 +8,6 @@ same greedy drafts, the same tokens and stats through the loop, and, for DSpark,
 confidence-chosen K each step.
 """
 
-from collections import Counter
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -23,9 +21,9 @@ from mlxspec.backends.torch import TorchTarget  # noqa: E402
 from mlxspec.drafters.match_length import ScoredDraftLength  # noqa: E402
 from mlxspec.engine import SpecStats, speculative_tokens  # noqa: E402
 from mlxspec.sampling import SamplingConfig  # noqa: E402
-from test_dflash2 import make_dflash2_dir  # noqa: E402
-from test_dspark import make_dir as make_dspark_dir  # noqa: E402
-from test_torch_backend import DEVICE, torch_twin  # noqa: E402
+from test_dflash2 import make_dflash2_dir, make_smollm_dflash2  # noqa: E402
+from test_dspark import make_dir as make_dspark_dir, make_smollm_dspark  # noqa: E402
+from test_torch_backend import DEVICE, one_cpu_thread, torch_twin  # noqa: E402, F401
 
 ATOL = 1e-5
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
@@ -35,14 +33,6 @@ CHECKPOINTS = {  # kind, how its directory is made
     "dspark-deepspec": ("dspark", lambda p: make_dspark_dir(p, "deepspec", seed=3)),
     "dspark-lfm": ("dspark", lambda p: make_dspark_dir(p, "lfm", seed=3)),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -216,23 +206,11 @@ def test_wrong_shapes_are_refused_on_torch_as_on_mlx(targets, tmp_path):
 # ---- sampled: the torch loop's output follows the target's distribution (χ²) -------------------
 
 
-def _torch_counts(twin, drafter, samples):
-    from test_sampling_exactness import LENGTH, PROMPT as CHI_PROMPT, SAMPLING
-
-    torch.manual_seed(1234)
-    counts, stats = Counter(), SpecStats()
-    for _ in range(samples):
-        target = TorchTarget(twin, capture_layers=drafter.capture_layers, speculative=True)
-        out = speculative_tokens(target, drafter, CHI_PROMPT, sampling=SAMPLING, max_tokens=LENGTH,
-                                 num_draft=2, stats=stats)
-        counts[tuple(t for t, _ in out)] += 1
-    return counts, stats
-
-
 @pytest.mark.slow  # χ²: thousands of sampled generations
 @pytest.mark.parametrize("kind", ["dflash2", "dspark"])
 def test_sampled_output_follows_target_distribution_on_torch(kind, tmp_path):
-    from test_sampling_exactness import SAMPLES, SAMPLING, VOCAB, chi_squared_pvalue
+    from block_drafters import sampled_counts
+    from test_sampling_exactness import SAMPLING, VOCAB, chi_squared_pvalue
     from test_sampling_exactness import exact_distribution
     from tiny_models import tiny_llama
 
@@ -242,7 +220,7 @@ def test_sampled_output_follows_target_distribution_on_torch(kind, tmp_path):
     path = (make_dflash2_dir(tmp_path / kind, seed=5, top_k=3, **small) if kind == "dflash2"
             else make_dspark_dir(tmp_path / kind, "lfm", seed=5, **small))
     drafter = mlxspec.load_drafter(kind, path, model=twin, tokenizer=None)
-    counts, stats = _torch_counts(twin, drafter, SAMPLES)
+    counts, stats = sampled_counts(twin, drafter, TorchTarget, torch.manual_seed)
     assert 0 < stats.accepted < stats.drafted
     pvalue = chi_squared_pvalue(counts, exact_distribution(target, SAMPLING))
     assert pvalue > 0.001, f"{kind}: p = {pvalue:.2g}"
@@ -254,17 +232,8 @@ def test_sampled_output_follows_target_distribution_on_torch(kind, tmp_path):
 @pytest.fixture(scope="module")
 def smollm_block_drafters(smollm_dir, tmp_path_factory):
     """Random 1-layer DFlash2 and (LFM2.5-layout) DSpark drafters that fit SmolLM2."""
-    from test_dflash2 import dflash2_config, dflash2_weights, save_drafter
-
-    config = dflash2_config(vocab=49152, hidden=576, target_layers=30, num_hidden_layers=1,
-                            layer_types=["full_attention"], target_layer_ids=[1, 27],
-                            mask_token_id=0, intermediate_size=64)
-    config["dflash_config"]["conv_group_size"] = 64
-    dflash2 = save_drafter(tmp_path_factory.mktemp("smollm_dflash2"), config, dflash2_weights(config))
-    dspark = make_dspark_dir(tmp_path_factory.mktemp("smollm_dspark"), "lfm", vocab=49152,
-                             hidden=576, target_layers=30, layers=1, target_layer_ids=[1, 27],
-                             mask_token_id=0, intermediate_size=64)
-    return {"dflash2": dflash2, "dspark": dspark}
+    return {"dflash2": make_smollm_dflash2(tmp_path_factory.mktemp("smollm_dflash2")),
+            "dspark": make_smollm_dspark(tmp_path_factory.mktemp("smollm_dspark"))}
 
 
 def test_api_and_cli_on_torch_give_plain_decodings_text(smollm_dir, smollm_block_drafters):
