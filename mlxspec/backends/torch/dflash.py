@@ -328,10 +328,9 @@ def read_weights(path: Path, device) -> dict[str, torch.Tensor]:
 
 
 def build_checked(args: DFlashConfig, weights: dict[str, torch.Tensor],
-                  model_class: type = None) -> "DFlashModel":
+                  model_class: type = DFlashModel) -> DFlashModel:
     """The `model_class` model (DFlashModel's or a kind's) the weights describe, loaded; names
     any missing, wrong-shaped or unexpected weight as mlxspec.models.dflash.check_weights does."""
-    model_class = model_class or DFlashModel
     with torch.device("meta"):  # shapes only: the checkpoint's tensors are assigned below
         model = model_class(args, own_embed="embed_tokens.weight" in weights,
                             own_head="lm_head.weight" in weights)
@@ -358,7 +357,7 @@ def load_dflash_drafter(path, *, model, tokenizer=None, block_size: int | None =
     return TorchDFlashDrafter(drafter_model, **parts, **options)
 
 
-def load_checked_model(path, args, model, model_class: type = None):
+def load_checked_model(path, args, model, model_class: type = DFlashModel):
     """A block drafter's torch model (`model_class`, DFlashModel by default) with its checked
     weights on the target's device and in its dtype, and the target's parts it drafts with
     (drafters.dflash.load_checked_model on MLX)."""

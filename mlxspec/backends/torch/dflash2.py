@@ -10,7 +10,7 @@ from ...drafters.dflash import read_checkpoint
 from ...drafters.dflash2 import DFlash2Drafting
 from ...models.dflash2 import DFlash2Config
 from .dflash import DecoderLayer, DFlashModel, TorchDFlashDrafter, load_checked_model
-from .sampling import categorical
+from .sampling import categorical, temperature_rows
 from .target import target_sizes
 
 
@@ -118,12 +118,6 @@ class CandidateSelector(nn.Module):
         scores = self.scores(projected.reshape(B * n, -1), unary.reshape(B * n, -1),
                              ids.reshape(B * n, -1), before.reshape(-1)).reshape(B, n, -1)
         return ids, torch.softmax(scores.float() / temp, dim=-1)
-
-
-def temperature_rows(temps: list[float], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows' 1 / T (B, 1) (1 where greedy) and which rows are greedy (B,)."""
-    inverse = torch.tensor([[1.0 / t if t > 0 else 1.0] for t in temps], dtype=torch.float32)
-    return inverse.to(device), torch.tensor([t <= 0 for t in temps]).to(device)
 
 
 class DFlash2Model(DFlashModel):

@@ -11,8 +11,7 @@ from ...drafters.dspark import DSparkDrafting
 from ...file_checks import check_safetensors, safetensors_files
 from ...models.dspark import DSparkConfig
 from .dflash import DFlashModel, TorchDFlashDrafter, load_checked_model
-from .dflash2 import temperature_rows
-from .sampling import categorical
+from .sampling import categorical, temperature_rows
 from .target import target_sizes
 
 

@@ -72,3 +72,9 @@ def sample_token(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     if sampling.greedy:
         return torch.argmax(logits, dim=-1)
     return categorical(processed_logprobs(logits, sampling).exp())
+
+
+def temperature_rows(temps: list[float], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' 1 / T (B, 1) (1 where greedy) and which rows are greedy (B,)."""
+    inverse = torch.tensor([[1.0 / t if t > 0 else 1.0] for t in temps], dtype=torch.float32)
+    return inverse.to(device), torch.tensor([t <= 0 for t in temps]).to(device)
