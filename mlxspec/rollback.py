@@ -41,7 +41,8 @@ def trim_attention(cache: list, n: int) -> None:
             c.trim(n)
 
 
-def attention_trimmable(cache: list) -> bool:
-    """Whether every per-position layer can be cut back now (a RotatingKVCache past its window
-    cannot)."""
-    return all(c.is_trimmable() for c in cache if not is_recurrent(c))
+def attention_trimmable(cache: list, n: int) -> bool:
+    """Whether every per-position layer can be cut back by n positions now (a RotatingKVCache
+    past its window cannot at all; a WindowKVCache can while the window stays held)."""
+    return all(c.room() >= n if hasattr(c, "room") else c.is_trimmable()
+               for c in cache if not is_recurrent(c))

@@ -13,7 +13,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, BatchKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, ChunkedKVCache
 from scipy import stats as scipy_stats
 from tiny_models import tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
@@ -339,13 +339,10 @@ def test_refusals():
     bp = batch.launch([2], [Draft(tokens=[1])], [GREEDY])
     with pytest.raises(ValueError, match="plain pass"):
         batch.launch(bp, [Draft(tokens=[])], [GREEDY])
-    from mlx_lm.models import gemma3_text  # sliding-window layers: RotatingKVCache
-    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=32, num_hidden_layers=2,
-                                 intermediate_size=64, num_attention_heads=4, head_dim=8,
-                                 num_key_value_heads=2, vocab_size=VOCAB, sliding_window=8,
-                                 sliding_window_pattern=2)
-    with pytest.raises(ValueError, match="RotatingKVCache"):
-        MLXBatchTarget(gemma3_text.Model(args))
+    chunked = MODELS["llama"]()  # a cache kind no row can be cut back in, named
+    chunked.make_cache = lambda: [ChunkedKVCache(8) for _ in chunked.layers]
+    with pytest.raises(ValueError, match="ChunkedKVCache"):
+        MLXBatchTarget(chunked)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])

@@ -13,7 +13,7 @@ from functools import partial
 from itertools import count
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from ..backends.mlx.window_cache import make_cache
 
 from ..backends.mlx.target import MLXTarget, cache_offset, stage_of
 from ..engine import Draft, Pass, Verdict
@@ -128,7 +128,7 @@ class Follower:
                                    f"(slot {slot}) this rank no longer keeps; keep at most "
                                    f"{self.kept} caches on rank 0")
         if cache is None:
-            cache = make_prompt_cache(self.model)
+            cache = make_cache(self.model)
         else:
             extra = (cache_offset(cache) or 0) - held
             if extra > 0:  # rank 0 cut its cache: it can be cut (a recurrent one is kept whole)

@@ -15,11 +15,11 @@ mlxspec.backends.torch.draft_model.TorchDraftModelDrafter torch's.
 """
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..engine import Draft, Drafter, Verdict, common_prefix_length
 from ..backends.mlx.target import untrimmable_caches
 from ..backends.mlx.window import windowed
+from ..backends.mlx.window_cache import make_cache
 from ..request import check_drafter_window
 from ..rollback import (
     attention_trimmable,
@@ -141,6 +141,12 @@ class DraftModelDrafting(Drafter):
         self._fed_drafts = 0
 
 
+# A sliding-window layer of a draft model keeps this many positions past its window, so that
+# cutting back a step's drafts (one position written at a time) stays exact; a longer cut
+# starts the cache afresh.
+CUT_SLACK = 32
+
+
 class DraftModelDrafter(DraftModelDrafting):
     """A draft model on MLX (an mlx-lm model); hybrids roll back through mlxspec.rollback."""
 
@@ -153,7 +159,7 @@ class DraftModelDrafter(DraftModelDrafting):
             raise ValueError(f"draft model cache {', '.join(bad)} cannot roll back")
 
     def _make_cache(self):
-        return make_prompt_cache(self.model)
+        return make_cache(self.model, slack=CUT_SLACK)
 
     def _fresh_cache(self) -> None:
         super()._fresh_cache()
@@ -174,7 +180,7 @@ class DraftModelDrafter(DraftModelDrafting):
             self._states[length] = snapshot(self._recurrent)
 
     def _cut(self, drop: int, keep: int) -> bool:
-        if not attention_trimmable(self.cache):
+        if not attention_trimmable(self.cache, drop):
             return False
         trim_attention(self.cache, drop)
         if self._recurrent:

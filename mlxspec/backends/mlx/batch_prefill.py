@@ -32,10 +32,16 @@ class JoiningRows:
         return len(self.tickets)
 
     def add(self, tickets: list[int], bodies: list[list[int]], starts: list[list],
-            features: list | None = None) -> None:
+            features: list | None = None, forgotten: list[list[int]] | None = None) -> None:
         """Rows to prefill `bodies` on top of `starts` (per row, its single-row caches), with
-        the features of what those hold (per row, or None) to put before the bodies'."""
+        the features of what those hold (per row, or None) to put before the bodies';
+        forgotten[i][layer]: positions before what row i's cache of that layer holds (a
+        sliding window's), which its RoPE positions count."""
         cache = [type(cs[0]).merge(list(cs)) for cs in zip(*starts)]
+        for layer, c in enumerate(cache):
+            shift = [row[layer] for row in forgotten or []]
+            if any(shift):
+                c.offset = c.offset + mx.array(shift)
         if self.cache is None:
             self.cache = cache
         else:

@@ -39,6 +39,7 @@ from .hidden_states import capture_layer_outputs, concat_features, record_inputs
 from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
+from .window_cache import WindowKVCache, make_cache
 from .target import (
     cache_offset,
     check_kv_group_size,
@@ -102,14 +103,18 @@ class MLXBatchTarget:
             check_kv_group_size(model, kv_group_size)
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
-        probe = make_prompt_cache(model)
-        bad = sorted({type(c).__name__ for c in probe
-                      if type(c) is not KVCache and not isinstance(c, ArraysCache)})
+        probe = make_cache(model)
+        bad = sorted({type(c).__name__ for c in probe if type(c) not in (KVCache, WindowKVCache)
+                      and not isinstance(c, ArraysCache)})
         if bad:
             raise ValueError(
-                f"batched verification rolls back plain KV caches and recurrent states only; "
-                f"this model uses {', '.join(bad)} (a sliding window past its size, or a cache "
-                f"mlx-lm cannot batch, cannot be cut back per row exactly)")
+                f"batched verification rolls back KV caches, sliding windows and recurrent "
+                f"states only; this model uses {', '.join(bad)}, which mlxspec cannot yet cut "
+                f"back per row exactly")
+        # Per layer: its sliding window (None: full attention or a recurrent state). Joining
+        # rows prefill such a layer in a plain batch cache, masked to the window; the running
+        # batch holds it as a RaggedKVCache with that window.
+        self._windows = [c.window if isinstance(c, WindowKVCache) else None for c in probe]
         if any(type(m).__name__ == "DynamicNTKScalingRoPE" for _, m in model.named_modules()):
             raise ValueError("dynamic NTK RoPE reads its position as one Python int, so rows "
                              "at different positions cannot share a pass")
@@ -180,12 +185,35 @@ class MLXBatchTarget:
                 self._prefilled.append((ticket, *self._prefill_alone(body, start)))
         rest = [i for i, q in enumerate(quantized) if not q]
         if rest:
+            joining = [self._joining_caches(starts[i].caches if starts[i] else None)
+                       for i in rest]
             self._joining.add([tickets[i] for i in rest], [bodies[i] for i in rest],
-                              [starts[i].caches if starts[i] else make_prompt_cache(self.model)
-                               for i in rest],
+                              [caches for caches, _ in joining],
                               [starts[i].features if starts[i] and self.capture_layers else None
-                               for i in rest])
+                               for i in rest],
+                              [forgotten for _, forgotten in joining])
         return tickets
+
+    def _joining_caches(self, kept: list | None) -> tuple[list, list[int]]:
+        """A joining row's single-sequence caches (`kept`: a kept prompt cache's; None: fresh
+        ones) as its prefill merges them, and per layer the positions forgotten before them:
+        a sliding window's layer prefills in a plain KVCache of the positions it holds, which
+        the batch's mask keeps to the window."""
+        if kept is None:
+            kept = make_prompt_cache(self.model)
+        caches, forgotten = [], []
+        for c, window in zip(kept, self._windows):
+            if window is None:
+                caches.append(c)
+                forgotten.append(0)
+                continue
+            plain = KVCache()
+            if isinstance(c, WindowKVCache) and c.keys is not None and c.held:
+                plain.keys, plain.values = (a[..., : c.held, :] for a in (c.keys, c.values))
+                plain.offset = c.held
+            caches.append(plain)
+            forgotten.append(c.start if isinstance(c, WindowKVCache) else 0)
+        return caches, forgotten
 
     def _prefill_alone(self, body: list[int], start: Start) -> tuple[list, object]:
         """A row continuing a kept quantized cache (kv_bits) prefills the rest of its prompt by
@@ -203,6 +231,7 @@ class MLXBatchTarget:
                 features.append(concat_features(hidden)[0])
             mx.eval([c.state for c in caches] + features[-1:])
         rows = [RaggedQuantizedKVCache.from_single(c) if isinstance(c, QuantizedKVCache)
+                else RaggedKVCache.from_window(c) if isinstance(c, WindowKVCache)
                 else type(c).merge([c]) for c in caches]
         if not self.capture_layers:
             return rows, None
@@ -221,7 +250,8 @@ class MLXBatchTarget:
         None) per ready row, in that order."""
         tickets, cache, features = self._joining.step(budget)
         if tickets:
-            cache = [self._ragged(c) if isinstance(c, BatchKVCache) else c for c in cache]
+            cache = [self._ragged(c, window) if isinstance(c, BatchKVCache) else c
+                     for c, window in zip(cache, self._windows)]
         for ticket, rows, row_features in self._prefilled:  # ready since they were added
             if not tickets:
                 tickets, cache, features = [], rows, [] if self.capture_layers else None
@@ -247,10 +277,11 @@ class MLXBatchTarget:
         self._last = None
         return list(zip(tickets, features or [None] * len(tickets)))
 
-    def _ragged(self, cache: BatchKVCache) -> RaggedKVCache:
-        """A prefilled row's attention cache as the running batch holds it."""
-        if self.kv_quantization is None:
-            return RaggedKVCache.from_batch(cache)
+    def _ragged(self, cache: BatchKVCache, window: int | None = None) -> RaggedKVCache:
+        """A prefilled row's attention cache as the running batch holds it (a sliding window's
+        unquantized, as one sequence's)."""
+        if self.kv_quantization is None or window is not None:
+            return RaggedKVCache.from_batch(cache, window)
         group_size, bits = self.kv_quantization
         return RaggedQuantizedKVCache.from_batch(cache, group_size, bits)
 
@@ -420,7 +451,8 @@ class MLXBatchTarget:
         return False
 
     def rollback_room(self) -> int | None:
-        """Every cache held rolls back any number of positions (sliding windows are refused)."""
+        """Every cache held rolls back whatever the last pass wrote (sliding windows keep what
+        that needs: RaggedKVCache's window)."""
         return None
 
 

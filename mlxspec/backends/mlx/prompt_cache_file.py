@@ -20,12 +20,15 @@ from mlx_lm.models import cache as mlx_cache
 
 from ...file_checks import _safetensors_header
 from .target_parts import embedding_checksum, target_sizes
+from .window_cache import WindowKVCache, make_cache
 
 FORMAT = "mlxspec.prompt_cache"
 VERSION = "1"
-# mlx-lm's per-layer caches a target's make_prompt_cache may build; their state is arrays and
-# numbers only.
-CLASSES = ("KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache", "ChunkedKVCache")
+# The per-layer caches a target's cache (window_cache.make_cache) may hold: mlx-lm's, and a
+# sliding window's WindowKVCache; their state is arrays and numbers only.
+CLASSES = {name: getattr(mlx_cache, name) for name in (
+    "KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache", "ChunkedKVCache")}
+CLASSES["WindowKVCache"] = WindowKVCache
 
 
 def model_key(model) -> str:
@@ -95,7 +98,7 @@ def load(kept, path: str | Path, model) -> None:
         feature_layers = tuple(int(i) for i in json.loads(metadata.get("feature_layers", "[]")))
     except (KeyError, TypeError, ValueError):  # json's JSONDecodeError is a ValueError
         raise ValueError(f"{path}: its header's layer list is damaged; make it again") from None
-    expected = [type(c).__name__ for c in mlx_cache.make_prompt_cache(model)]
+    expected = [type(c).__name__ for c in make_cache(model)]
     if classes != expected:
         raise ValueError(f"{path} holds a cache of {len(classes)} layers that this model's "
                          f"cache ({len(expected)} layers) does not match; make it again")
@@ -106,7 +109,7 @@ def load(kept, path: str | Path, model) -> None:
     caches = []
     for i, layer in enumerate(layers):
         state = _decode(layer["state"], arrays)
-        caches.append(getattr(mlx_cache, layer["class"]).from_state(state))
+        caches.append(CLASSES[layer["class"]].from_state(state))
     kept.check_model(model)
     kept.cache = caches
     kept.tokens = arrays["tokens"].tolist()

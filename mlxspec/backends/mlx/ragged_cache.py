@@ -12,6 +12,11 @@ overwritten by its next pass.
 While every row ends at the same index (plain decoding, or rows that accepted alike) the cache
 is mlx-lm's own BatchKVCache, to the bit: the same writes and the same mask.
 
+With `window` set, it is a sliding-window layer's cache (issue #64): each query sees its last
+`window` positions, and the columns no row's window reaches any more are forgotten before a write
+once `spare` of them have piled up; every row keeps the `window - 1` positions before the write,
+so rolling any row back over that write leaves its window held (WindowKVCache's rule, per row).
+
 RaggedQuantizedKVCache keeps the same rows quantized (`--kv-bits` in a batch), as mlx-lm's
 QuantizedKVCache keeps one sequence's: each position quantized as it is written, attention
 through mlx-lm's quantized path. Both move their buffers (keys and values, or each part of
@@ -22,25 +27,68 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
+from .window_cache import WindowKVCache, default_spare
+
 
 class RaggedKVCache(BatchKVCache):
-    """A BatchKVCache where row i holds positions [left_padding[i], ends[i]) of its buffer."""
+    """A BatchKVCache where row i holds positions [left_padding[i], ends[i]) of its buffer;
+    `offset` is each row's position (what RoPE reads), whatever columns were forgotten."""
+
+    window = None  # a sliding window's size; None: full attention
+    spare = 0
 
     @classmethod
-    def from_batch(cls, cache: BatchKVCache) -> "RaggedKVCache":
+    def from_batch(cls, cache: BatchKVCache, window: int | None = None) -> "RaggedKVCache":
         """The same rows and arrays, each row ending where mlx-lm's cache ends them all."""
         ragged = cls.__new__(cls)
         ragged.keys, ragged.values = cache.keys, cache.values
         ragged.offset, ragged.left_padding = cache.offset, cache.left_padding
         ragged._idx, ragged._right_padding = cache._idx, None
         ragged.ends = [cache._idx] * cache.offset.shape[0]
+        ragged._set_window(window)
         return ragged
+
+    @classmethod
+    def from_window(cls, cache: WindowKVCache) -> "RaggedKVCache":
+        """One sequence's sliding-window cache as a batch of that one row."""
+        ragged = cls.__new__(cls)
+        held = cache.held
+        ragged.keys = ragged.values = None
+        if cache.keys is not None and held:
+            ragged.keys, ragged.values = (a[..., :held, :] for a in (cache.keys, cache.values))
+        ragged.offset, ragged.left_padding = mx.array([cache.offset]), mx.array([0])
+        ragged._idx, ragged._right_padding, ragged.ends = held, None, [held]
+        ragged._set_window(cache.window)
+        return ragged
+
+    def _set_window(self, window: int | None) -> None:
+        self.window = window
+        self.spare = 0 if window is None else default_spare(window)
+
+    def _cut_before_write(self) -> int:
+        """Leading columns the next write forgets: those before every row's last window - 1
+        positions, once more than `spare` of them have piled up (none without a window)."""
+        if self.window is None or not self.ends:
+            return 0
+        cut = min(self.ends) - (self.window - 1)
+        return cut if cut > self.spare else 0
+
+    def _forget(self) -> None:
+        cut = self._cut_before_write()
+        if not cut:
+            return
+        if self._arrays() is not None:
+            self._set_arrays([a[..., cut:, :] for a in self._arrays()])
+        self.left_padding = mx.maximum(self.left_padding - cut, 0)
+        self.ends = [e - cut for e in self.ends]
+        self._idx -= cut
 
     @property
     def aligned(self) -> bool:
         return len(set(self.ends)) <= 1
 
     def update_and_fetch(self, keys, values):
+        self._forget()
         if self.aligned:
             self._idx = self.ends[0] if self.ends else 0
             fetched = super().update_and_fetch(keys, values)
@@ -89,16 +137,23 @@ class RaggedKVCache(BatchKVCache):
             mx.concatenate([a, mx.zeros(a.shape[:2] + (grow,) + a.shape[3:], a.dtype)], axis=2)
             for a in arrays])
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        """Row i's query j (at position ends[i] + j) sees its own keys up to itself."""
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Row i's query j (at position ends[i] + j) sees its own keys up to itself, and with a
+        window only its last `window_size` (capped by the cache's own window), over the
+        columns the write it precedes leaves."""
+        if self.window is not None:
+            window_size = min(window_size or self.window, self.window)
+        cut = self._cut_before_write()
+        ends = [e - cut for e in self.ends]
+        left = mx.maximum(self.left_padding - cut, 0) if cut else self.left_padding
         if self.aligned:
-            return create_causal_mask(N, offset=self.ends[0] if self.ends else 0,
-                                      left_padding=self.left_padding, **kwargs)
-        if kwargs.get("window_size") is not None:
-            raise ValueError("a sliding window cannot be cut back per row")
-        keys = mx.arange(max(self.ends) + N)
-        last = mx.array(self.ends)[:, None, None] + mx.arange(N)[:, None]  # (B, N, 1)
-        mask = (keys <= last) & (keys >= self.left_padding[:, None, None])
+            return create_causal_mask(N, offset=ends[0] if ends else 0, left_padding=left,
+                                      window_size=window_size)
+        keys = mx.arange(max(ends) + N)
+        last = mx.array(ends)[:, None, None] + mx.arange(N)[:, None]  # (B, N, 1)
+        mask = (keys <= last) & (keys >= left[:, None, None])
+        if window_size is not None:
+            mask = mask & (keys > last - window_size)
         return mask[:, None]  # (B, 1, N, keys)
 
     def drop(self, counts: list[int]) -> None:
@@ -169,9 +224,17 @@ class RaggedKVCache(BatchKVCache):
             return None
         return [mx.contiguous(a[idx : idx + 1, :, start:end]) for a in self._arrays()]
 
-    def extract(self, idx: int) -> KVCache:
+    def extract(self, idx: int) -> "KVCache | WindowKVCache":
         """Row `idx` as one sequence's cache."""
-        cache, row = KVCache(), self._row(idx)
+        row = self._row(idx)
+        if self.window is not None:
+            cache = WindowKVCache(self.window)
+            cache.offset = cache.start = int(self.offset[idx].item())
+            if row is not None:
+                cache.keys, cache.values = row
+                cache.start = cache.offset - row[0].shape[2]
+            return cache
+        cache = KVCache()
         if row is not None:
             cache.keys, cache.values = row
             cache.offset = row[0].shape[2]

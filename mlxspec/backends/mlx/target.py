@@ -3,7 +3,7 @@
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
@@ -17,6 +17,7 @@ from .sampling import reported_logprobs, sample_token
 from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from .tree_pass import attention_modules, holds_trees, keep_branch, tree_pass
+from .window_cache import WindowKVCache, make_cache
 
 
 STAGE = "mlxspec_stage"  # where mlxspec.distributed keeps a split model's Stage
@@ -171,7 +172,7 @@ class MLXTarget:
         # (all but its last token), so a kept cache can be rewound to the prompt it keeps.
         self.prompt_state = None
         self.forward = forward
-        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.cache = cache if cache is not None else make_cache(model)
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
         self.prefill_step_size = prefill_step_size
@@ -387,11 +388,13 @@ class MLXTarget:
         self.forward.rerun(self.model, inputs[None, :keep], self.cache)  # lazy: with the next pass
 
     def rollback_room(self) -> int | None:
-        """A sliding-window cache (RotatingKVCache) rolls back exactly only while a pass keeps it
-        within its window: past it, mlx-lm's rotation drops entries that a trim cannot restore."""
+        """How many positions the next pass may write and still roll back (None: any number).
+        A sliding window held as a WindowKVCache keeps what any rollback of its last pass
+        needs; one mlx-lm still rotates (a RotatingKVCache keeping leading positions) rolls
+        back exactly only while the pass stays within its window."""
         room = None
         for c in self.cache:
-            if is_recurrent(c):
+            if is_recurrent(c) or isinstance(c, WindowKVCache):
                 continue
             if not c.is_trimmable():
                 return 0
@@ -441,7 +444,7 @@ class PromptCache(KeptCache):
         return kept
 
     def _new(self, model) -> list:
-        return make_prompt_cache(model)
+        return make_cache(model)
 
     def _held(self) -> int | None:
         return cache_offset(self.cache)
@@ -468,6 +471,8 @@ class PromptCache(KeptCache):
                 view = QuantizedKVCache(c.group_size, c.bits)
             elif type(c) is KVCache:
                 view = KVCache()
+            elif type(c) is WindowKVCache:  # nothing forgotten yet (shared() checked)
+                view = WindowKVCache(c.window, c.spare)
             else:
                 raise ValueError(f"a {type(c).__name__} cannot lend a shorter prefix")
             view.keys, view.values, view.offset = c.keys, c.values, n
