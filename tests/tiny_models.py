@@ -90,3 +90,36 @@ def tiny_lfm2(vocab: int = 32, seed: int = 0):
     model = lfm2.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+def tiny_gemma3(vocab: int = 32, window: int = 4, seed: int = 0, sharpness: float = 1.0):
+    """mlx-lm's Gemma 3 text model: sliding-window layers (RotatingKVCache in mlx-lm, of
+    `window` positions) beside full-attention ones, in the pattern S F S F."""
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs.from_dict(dict(
+        model_type="gemma3_text", hidden_size=32, num_hidden_layers=4, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab,
+        sliding_window=window, sliding_window_pattern=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6))
+    model = gemma3_text.Model(args)
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * sharpness  # tied head
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_gpt_oss(vocab: int = 32, window: int = 4, seed: int = 0, sharpness: float = 1.0):
+    """mlx-lm's gpt-oss: sliding and full attention layers alternating, attention sinks, a
+    mixture of 4 experts (2 per token)."""
+    from mlx_lm.models import gpt_oss
+
+    mx.random.seed(seed)
+    args = gpt_oss.ModelArgs(
+        model_type="gpt_oss", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=vocab, hidden_size=32, intermediate_size=32, head_dim=8,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=window, rope_theta=10000)
+    model = gpt_oss.Model(args)
+    model.lm_head.weight = model.lm_head.weight * sharpness
+    mx.eval(model.parameters())
+    return model

@@ -19,12 +19,14 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ...tree import TreeShape
 from .hidden_states import instance_attributes
+from .window_cache import WindowKVCache
 
 
 def holds_trees(cache: list) -> bool:
-    """Caches whose entries can be moved by index: mlx-lm's KVCache and QuantizedKVCache (a
-    sliding window's rotation and a recurrent state cannot hold a tree)."""
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
+    """Caches whose entries can be moved by index: mlx-lm's KVCache and QuantizedKVCache, and
+    a sliding window's WindowKVCache (mlx-lm's rotation and a recurrent state cannot hold a
+    tree)."""
+    return all(type(c) in (KVCache, QuantizedKVCache, WindowKVCache) for c in cache)
 
 
 def ancestor_mask(shape: TreeShape) -> mx.array:
@@ -38,12 +40,16 @@ def ancestor_mask(shape: TreeShape) -> mx.array:
 
 
 class _TreeView:
-    """A cache as the model sees it during a tree pass: the tree's mask, all else the cache's."""
+    """A cache as the model sees it during a tree pass: the tree's mask, all else the cache's.
+    A sliding window's cache masks each node to its own window (WindowKVCache.tree_mask)."""
 
-    def __init__(self, cache, mask: mx.array):
+    def __init__(self, cache, mask: mx.array, ancestors: mx.array, depth: mx.array):
         self._cache, self._mask = cache, mask
+        self._ancestors, self._depth = ancestors, depth
 
-    def make_mask(self, *args, **kwargs):
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if isinstance(self._cache, WindowKVCache):
+            return self._cache.tree_mask(self._ancestors, self._depth, window_size)
         return self._mask
 
     def __getattr__(self, name):
@@ -75,11 +81,12 @@ def tree_pass(attentions: list, cache: list, shape: TreeShape):
     """Yield the cache list to give the model (whose `attention_modules` are `attentions`) for
     one pass over [pending, nodes] of `shape`."""
     offset = cache[0].offset
-    mask = mx.concatenate([mx.ones((shape.size + 1, offset), dtype=mx.bool_),
-                           ancestor_mask(shape)], axis=1)
+    ancestors = ancestor_mask(shape)
+    mask = mx.concatenate([mx.ones((shape.size + 1, offset), dtype=mx.bool_), ancestors],
+                          axis=1)
     depth = mx.array(shape.depth, dtype=mx.int32)
     with instance_attributes([(a, "rope", TreeRoPE(a["rope"], depth)) for a in attentions]):
-        yield [_TreeView(c, mask) for c in cache]
+        yield [_TreeView(c, mask, ancestors, depth) for c in cache]
 
 
 def _move(buffer, start: int, sources: mx.array):
@@ -96,8 +103,9 @@ def keep_branch(cache: list, pending_at: int, branch: list[int]) -> None:
     the pending token and the nodes of `branch` (1-based, root to leaf), in order."""
     moved = [n for i, n in enumerate(branch, start=1) if n != i]  # a chain's branch stays put
     for c in cache:
-        if moved:
-            sources = mx.array([pending_at + n for n in branch], dtype=mx.int32)
-            c.keys = _move(c.keys, pending_at + 1, sources)
-            c.values = _move(c.values, pending_at + 1, sources)
+        if moved:  # buffers index positions from the first one they hold (a window's start)
+            at = pending_at - getattr(c, "start", 0)
+            sources = mx.array([at + n for n in branch], dtype=mx.int32)
+            c.keys = _move(c.keys, at + 1, sources)
+            c.values = _move(c.values, at + 1, sources)
         c.offset = pending_at + 1 + len(branch)

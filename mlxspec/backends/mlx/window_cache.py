@@ -100,14 +100,15 @@ class WindowKVCache(_BaseCache):
 
     def tree_mask(self, ancestors: mx.array, depth: mx.array,
                   window_size: int | None = None) -> mx.array:
-        """A tree pass's mask ((N+1, held + N+1) bool): node i sees its ancestors
-        (`ancestors`, (N+1, N+1)) and the held positions inside the window of its own position
-        (offset + depth[i])."""
+        """A tree pass's mask ((N+1, held + N+1) bool): node i, at position offset + depth[i],
+        sees the held positions and its ancestors (`ancestors`, (N+1, N+1)) inside its
+        window."""
         window = min(window_size or self.window, self.window)
         behind = self.offset - self._start_before_write()
         held = mx.arange(behind)[None] + (self.offset - behind)  # (1, behind) positions
         sees = held > (self.offset + depth[:, None] - window)  # (N+1, behind)
-        return mx.concatenate([sees, ancestors], axis=1)
+        near = (depth[:, None] - depth[None]) < window  # (N+1, N+1)
+        return mx.concatenate([sees, ancestors & near], axis=1)
 
     def is_trimmable(self) -> bool:
         """Whether any number of positions can be cut (nothing forgotten yet). Fewer can be cut
