@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("uvicorn", reason="mlxspec serve needs the server extra")
 
 from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
+from mlx_lm.models.cache import ChunkedKVCache  # noqa: E402
 
 from test_api_hardening import tiny_tokenizer  # noqa: E402
 from test_server import Running, http, post_json  # noqa: E402
@@ -372,24 +372,57 @@ def test_metrics_and_health_show_the_batch(servers):
 
 
 def test_batching_is_off_where_rows_cannot_share_a_pass(tiny):
-    """LayerSkip drafts inside the target's own cache and a sliding window cannot be cut back
-    per row: such servers serve one request at a time, say why, and still answer."""
+    """LayerSkip drafts inside the target's own cache, and a cache kind mlxspec cannot cut
+    back per row (llama4's chunked attention): such servers serve one request at a time, say
+    why, and still answer."""
     model, tokenizer = tiny
     server = make_server(model, tokenizer, drafter="layerskip", model_id="tiny", max_batch=4)
     assert "layerskip" in server.worker.refusal and server.worker.max_batch == 1
     assert server.worker.describe().startswith("one request at a time")
     server.worker.stop()
 
-    windowed = tiny_model()
-    windowed.make_cache = lambda: [RotatingKVCache(max_size=8) for _ in windowed.layers]
-    server = make_server(windowed, tokenizer, model_id="tiny", max_batch=4)
-    assert "RotatingKVCache" in server.worker.refusal
+    chunked = tiny_model()
+    chunked.make_cache = lambda: [ChunkedKVCache(8) for _ in chunked.layers]
+    server = make_server(chunked, tokenizer, model_id="tiny", max_batch=4)
+    assert "ChunkedKVCache" in server.worker.refusal
     running = Running(server)
     try:
         reply = ask(running, {"prompt": "t1 t2 t3", "max_tokens": 5, "temperature": 0})
         assert reply["usage"]["completion_tokens"] == 5
     finally:
         running.stop()
+
+
+def test_a_sliding_window_model_batches_past_its_window(tiny):
+    """A Gemma 3 with a 4-position window, served batched: concurrent requests whose prompts
+    are many windows long, with lookup, get the one-at-a-time server's replies, and a next
+    turn starts from its kept cache."""
+    from tiny_models import tiny_gemma3
+
+    _, tokenizer = tiny
+    model = tiny_gemma3(vocab=VOCAB, window=4)
+    servers = [make_server(model, tokenizer, drafter="lookup", model_id="tiny", max_batch=n)
+               for n in (4, 1)]
+    assert servers[0].worker.refusal is None
+    (batched, alone) = running = [Running(server) for server in servers]
+    try:
+        bodies = [{"prompt": " ".join([prompt(i)] * 6), "max_tokens": 16, "temperature": 0}
+                  for i in range(4)]
+        want = [ask(alone, b) for b in bodies]
+        for g, w in zip(together(batched, servers[0], bodies), want):
+            same_reply(g, w)
+        user = {"role": "user", "content": " ".join([prompt(5)] * 5)}
+        first = {"messages": [user], "max_tokens": 12, "temperature": 0}
+        same_reply(ask(batched, first), ask(alone, first))
+        turn = {"messages": [user, {"role": "assistant", "content": ask(alone, first)["text"]},
+                             {"role": "user", "content": prompt(6)}],
+                "max_tokens": 10, "temperature": 0}
+        got = ask(batched, turn)
+        same_reply(got, ask(alone, turn))
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        for r in running:
+            r.stop()
 
 
 def test_make_server_checks_max_batch(tiny):

@@ -8,7 +8,9 @@ forgetting itself is under test.
 """
 
 import itertools
+import json
 import random
+import re
 from collections import Counter
 
 import mlx.core as mx
@@ -356,3 +358,41 @@ def test_a_full_attention_model_keeps_mlx_lm_s_caches():
     """No sliding window, nothing replaced: a llama's caches are mlx-lm's own."""
     model = tiny_llama(vocab=VOCAB)
     assert [type(c) for c in make_cache(model)] == [type(c) for c in make_prompt_cache(model)]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(smollm_dir, tmp_path_factory):
+    """A tiny Gemma 3 (window 4) as a model directory, with SmolLM2's tokenizer."""
+    from test_hybrid_draft_model import save_model_dir
+
+    model = tiny_gemma3(vocab=49152, window=4, seed=3, sharpness=4.0)
+    return save_model_dir(model, vars(model.args), tmp_path_factory.mktemp("g") / "gemma3",
+                          smollm_dir)
+
+
+def test_cli_drafts_past_the_window_alone_and_in_a_batch(gemma3_dir, tmp_path):
+    """`mlxspec generate -m DIR` on a prompt many windows long, drafted for by the same
+    checkpoint as a draft model (so drafts are accepted past the window), prints plain
+    decoding's text; `--prompts` does the same for every line at once."""
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    def generate(*args):
+        result = CliRunner().invoke(main, ["generate", "-m", str(gemma3_dir), "-n", "20",
+                                           "--no-chat-template", *args])
+        assert result.exit_code == 0, result.output
+        return result
+
+    text = "the cat sat on the mat and the cat sat on the hat " * 3
+    plain = generate("-p", text)
+    drafter = ["--drafter", "draft", "--draft-model", str(gemma3_dir)]
+    spec = generate("-p", text, *drafter, "--verbose")
+    assert spec.stdout == plain.stdout
+    assert int(re.search(r"accepted: (\d+)", spec.stderr)[1]) > 0, spec.stderr
+    lines = [text, "one two three", text[::-1]]
+    (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n")
+    batch = generate("--prompts", str(tmp_path / "prompts.txt"), *drafter)
+    rows = [json.loads(line) for line in batch.stdout.splitlines()]
+    alone = [generate("-p", line).stdout.strip() for line in lines]
+    assert [row["text"].strip() for row in rows] == alone
