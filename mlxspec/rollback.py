@@ -5,20 +5,48 @@ An attention layer's cache (KVCache and kin) cuts its last positions off. A recu
 (mlx-lm's ArraysCache) holds one state that every pass replaces, so it cannot be cut: it is put
 back to a snapshot taken where the cache held the positions to keep, or before them, and the kept
 positions then run again (as a target's rollback does, re-running only the recurrent layers).
+A layer whose CacheList holds such a state beside keys and values (falcon_h1's Mamba state beside
+its attention's) is both: its states are put back and its keys and values cut.
 """
 
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, CacheList
 
 
 def is_recurrent(cache) -> bool:
-    """mlx-lm's ArraysCache: state arrays (a convolution window, a recurrent state) that each pass
-    replaces rather than extends, as in the linear-attention layers of Qwen3-Next and Qwen3.5;
-    it cannot be cut back, only restored from a snapshot."""
-    return isinstance(cache, ArraysCache)
+    """A layer's cache holding a recurrent state, which cannot be cut back, only restored from a
+    snapshot: mlx-lm's ArraysCache (state arrays, a convolution window and a recurrent state,
+    that each pass replaces rather than extends, as in the linear-attention layers of Qwen3-Next
+    and Qwen3.5), or a CacheList holding one beside caches of keys and values that any rollback
+    can cut (falcon_h1's, baichuan_m1's full-attention layers'). A CacheList whose keys and
+    values live in a window mlx-lm rotates is neither: nothing can roll it back."""
+    if isinstance(cache, ArraysCache):
+        return True
+    if not isinstance(cache, CacheList):
+        return False
+    members = cache.caches
+    return any(is_recurrent(m) for m in members) and all(
+        is_recurrent(m) or _cuts_back(m) for m in members)
+
+
+def _cuts_back(cache) -> bool:
+    """A per-position cache that a rollback of the last pass can cut: one with no window mlx-lm
+    rotates (KVCache, QuantizedKVCache), or a WindowKVCache (it keeps what that needs)."""
+    if hasattr(cache, "room"):
+        return True
+    return cache.is_trimmable() and getattr(cache, "max_size", None) is None
+
+
+def _states(cache) -> list:
+    """The ArraysCaches of a recurrent layer's cache (itself, or a CacheList's members)."""
+    if isinstance(cache, CacheList):
+        return [s for m in cache.caches if is_recurrent(m) for s in _states(m)]
+    return [cache]
 
 
 def recurrent_layers(cache: list) -> list:
-    return [c for c in cache if is_recurrent(c)]
+    """The recurrent states among a model's caches, one ArraysCache each (a CacheList's
+    members: see is_recurrent)."""
+    return [s for c in cache if is_recurrent(c) for s in _states(c)]
 
 
 def snapshot(recurrent: list) -> list[list]:
@@ -35,14 +63,17 @@ def restore(recurrent: list, states: list[list]) -> None:
 
 def trim_attention(cache: list, n: int) -> None:
     """Drop the last n positions of every layer that keeps one entry per position (all but the
-    recurrent ones)."""
+    recurrent ones, and of a recurrent layer's CacheList its keys and values)."""
     for c in cache:
-        if not is_recurrent(c):
+        if isinstance(c, CacheList) and is_recurrent(c):
+            trim_attention(c.caches, n)
+        elif not is_recurrent(c):
             c.trim(n)
 
 
 def attention_trimmable(cache: list, n: int) -> bool:
     """Whether every per-position layer can be cut back by n positions now (a RotatingKVCache
     past its window cannot at all; a WindowKVCache can while the window stays held)."""
-    return all(c.room() >= n if hasattr(c, "room") else c.is_trimmable()
-               for c in cache if not is_recurrent(c))
+    return all(attention_trimmable(c.caches, n) if isinstance(c, CacheList) and is_recurrent(c)
+               else c.room() >= n if hasattr(c, "room") else c.is_trimmable()
+               for c in cache if not isinstance(c, ArraysCache))

@@ -291,13 +291,18 @@ def test_torch_sliding_window_cache(prompt):
 
 
 def test_a_cache_that_cannot_roll_back_is_refused_by_name():
-    """falcon_h1 keeps a Mamba state and keys and values in one CacheList per layer: neither a
-    trim nor a restore of that layer alone can undo a pass, so a drafter is refused, naming it."""
+    """A CacheList keeping a recurrent state beside keys and values in a window mlx-lm rotates
+    (baichuan_m1's windowed layers): the state can be restored, but the window cannot be cut
+    back past its size, so a drafter is refused, naming it. Beside plain keys and values
+    (falcon_h1's Mamba state) the layer rolls back: states restored, keys and values cut."""
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
     model = tiny_llama(vocab=VOCAB, seed=1)
-    layers = [CacheList(ArraysCache(size=2), KVCache()), KVCache()]
-    with pytest.raises(ValueError, match=r"CacheList\(ArraysCache, KVCache\).*--drafter none"):
+    layers = [CacheList(ArraysCache(size=2), RotatingKVCache(max_size=8)), KVCache()]
+    with pytest.raises(ValueError,
+                       match=r"CacheList\(ArraysCache, RotatingKVCache\).*--drafter none"):
         MLXTarget(model, cache=layers, speculative=True)
     MLXTarget(model, cache=[CacheList(KVCache(), KVCache()), KVCache()], speculative=True)
+    MLXTarget(model, cache=[CacheList(ArraysCache(size=2), KVCache()), KVCache()],
+              speculative=True)
     MLXTarget(model, cache=layers)  # plain decoding needs no rollback

@@ -14,7 +14,9 @@ import copy
 
 import mlx.core as mx
 
-from .hidden_states import capture_layer_outputs, concat_features
+from .hidden_states import capture_layer_outputs, concat_features, rows_to_their_lengths
+from .row_positions import rows_at_their_positions
+from .target import state_mixers
 
 
 class JoiningRows:
@@ -27,6 +29,9 @@ class JoiningRows:
         self.tickets: list[int] = []
         self.bodies: list[list[int]] = []  # per row: the tokens still to prefill
         self.features: list[list] = []  # per row: its captured feature chunks so far
+        # Recurrent mixers, so that those taking no mask (Jamba's, Mamba's) stop each row of a
+        # right-padded chunk at its length too (hidden_states.rows_to_their_lengths).
+        self.mixers = state_mixers(model)
 
     def __len__(self) -> int:
         return len(self.tickets)
@@ -74,8 +79,10 @@ class JoiningRows:
                 c.prepare(lengths=lengths, right_padding=padding)
         tokens = mx.array([b[:n] + [0] * p for b, n, p in zip(self.bodies, lengths, padding)],
                           dtype=mx.int32)
-        with capture_layer_outputs(self.model, self.capture_layers) as hidden:
-            self.model(tokens, cache=self.cache)
+        with (capture_layer_outputs(self.model, self.capture_layers) as hidden,
+              rows_to_their_lengths(self.mixers if max(padding) else []),
+              rows_at_their_positions(self.model, self.cache) as cache):
+            self.model(tokens, cache=cache)
         features = concat_features(hidden) if hidden else None
         for c in self.cache:  # also clears the ArraysCache padding merge() sets
             c.finalize()

@@ -35,10 +35,12 @@ from ...rollback import is_recurrent, restore, snapshot
 from ...sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
 from .batch_prefill import JoiningRows, keep_rows
-from .hidden_states import capture_layer_outputs, concat_features, record_inputs
+from .hidden_states import (capture_layer_outputs, concat_features, record_inputs, replay,
+                            run_rows, takes_mask)
 from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
+from .row_positions import rows_at_their_positions
 from .window_cache import WindowKVCache, make_cache
 from .target import (
     cache_offset,
@@ -358,8 +360,9 @@ class MLXBatchTarget:
         states = snapshot(self._recurrent()) if undoable else None
         with (record_inputs(self._mixers if undoable else []) as calls,
               state_tape(self._taped if undoable else []) as tape,
-              capture_layer_outputs(self.model, self.capture_layers) as hidden):
-            logits = self.model(inputs, cache=self.cache)  # (rows, S, V)
+              capture_layer_outputs(self.model, self.capture_layers) as hidden,
+              rows_at_their_positions(self.model, self.cache) as cache):
+            logits = self.model(inputs, cache=cache)  # (rows, S, V)
         features = concat_features(hidden) if hidden else None
         self._last = dict(width=width, written=[width] * rows, held=[k + 1 for k in ks],
                           layout=self._layout, states=states, calls=calls if undoable else [],
@@ -439,10 +442,12 @@ class MLXBatchTarget:
         for module, x, c in replays:
             if id(module) in last["tape"]:
                 _select_rows(c, *last["tape"][id(module)], keep)
-            else:  # re-run the layer from the state before the pass, each row to its length
-                c.prepare(lengths=keeps)
-                module(x, mask=c.make_mask(x.shape[1]), cache=c)
+            elif takes_mask(module):  # re-run the layer from the state before the pass, each
+                c.prepare(lengths=keeps)  # row stopped at its length by the mask and lengths
+                replay(module, x, c, c.make_mask(x.shape[1]))
                 c.finalize()
+            else:  # a mixer that takes no mask (Jamba's, Mamba's) re-runs row by row
+                run_rows(module, x, c, keeps)
 
     def _recurrent(self) -> list:
         return [c for c in self.cache if is_recurrent(c)]

@@ -66,15 +66,101 @@ def concat_features(outputs: list) -> mx.array:
     return mx.concatenate(outputs, axis=-1)
 
 
+def _parameters(module) -> tuple[str, ...]:
+    """The names a module's __call__ takes, its input first; read once per module class."""
+    kind = type(module)
+    names = _PARAMETERS.get(kind)
+    if names is None:
+        names = _PARAMETERS[kind] = tuple(inspect.signature(module.__call__).parameters)
+    return names
+
+
+_PARAMETERS: dict[type, tuple[str, ...]] = {}
+
+
+def takes_mask(module) -> bool:
+    """Whether a recurrent mixer takes a `mask` (Jamba's and Mamba's take (x, cache) only)."""
+    return "mask" in _parameters(module)
+
+
+def replay(module, x, cache, mask=None):
+    """Call a recorded mixer again on `x` and `cache` as its own signature takes them: the input
+    first, the cache by name, and `mask` only where it takes one."""
+    if takes_mask(module):
+        return module(x, mask=mask, cache=cache)
+    return module(x, cache=cache)
+
+
+def run_rows(module, x: mx.array, cache, lengths: list[int]) -> mx.array:
+    """Run a recurrent mixer that cannot stop rows at their own lengths (it takes no mask and
+    reads no `cache.lengths`: Jamba's, Mamba's) on each row's first lengths[i] inputs alone,
+    from that row's state in `cache` (a batch's ArraysCache), which ends up holding each row's
+    state after its own length. Returns the outputs (B, L, ...), zeros past each row's length:
+    right padding that causal layers never let reach a real position."""
+    outputs, states = [], []
+    for i, n in enumerate(lengths):
+        row = type(cache)(len(cache.cache))
+        row.cache = [None if a is None else a[i : i + 1] for a in cache.cache]
+        outputs.append(replay(module, x[i : i + 1, :n], row) if n else None)
+        states.append(row.cache)
+    like = next((y for y in outputs if y is not None), x[:1, :0])
+    width = x.shape[1]
+    outputs = [mx.zeros((1, width) + like.shape[2:], like.dtype) if y is None else
+               y if y.shape[1] == width else
+               mx.concatenate([y, mx.zeros((1, width - y.shape[1]) + y.shape[2:], y.dtype)], 1)
+               for y in outputs]
+    merged = []
+    for parts in zip(*states):  # a row still without a state (nothing run yet) holds zeros
+        ref = next((a for a in parts if a is not None), None)
+        merged.append(None if ref is None else mx.concatenate(
+            [mx.zeros_like(ref) if a is None else a for a in parts]))
+    cache.cache = merged
+    return mx.concatenate(outputs)
+
+
+class _RowByRow:
+    """A mixer taking no mask, during a right-padded batch pass whose caches were `prepare`d
+    with each row's length (a batch's prefill): it runs each row to its own length (run_rows)."""
+
+    def __init__(self, module):
+        self.module = module
+        self.signature = inspect.signature(module.__call__)
+        self.input = _parameters(module)[0]
+
+    def __call__(self, *args, **kwargs):
+        arguments = self.signature.bind(*args, **kwargs).arguments
+        cache = arguments.get("cache")
+        lengths = getattr(cache, "lengths", None)
+        if lengths is None:
+            return self.module(*args, **kwargs)
+        return run_rows(self.module, arguments[self.input], cache, lengths.tolist())
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+@contextmanager
+def rows_to_their_lengths(modules: list[tuple[object, str]]):
+    """For one batch pass: the mixers named by (owner, attribute name) that take no mask stop
+    each row at its length (see _RowByRow); the others already do."""
+    wrapped = [(owner, name, _RowByRow(getattr(owner, name))) for owner, name in modules
+               if not takes_mask(getattr(owner, name))]
+    with instance_attributes(wrapped):
+        yield
+
+
 class _InputRecorder:
     def __init__(self, module, sink: list):
         self.module, self.sink = module, sink
         self.signature = inspect.signature(module.__call__)
+        self.input = _parameters(module)[0]
 
-    def __call__(self, x, *args, **kwargs):
-        cache = self.signature.bind(x, *args, **kwargs).arguments.get("cache")
-        self.sink.append((self.module, x, cache))
-        return self.module(x, *args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        # Models pass the input by position or by name (falcon_h1's `input_states=`, plamo2's
+        # `hidden_states=`).
+        arguments = self.signature.bind(*args, **kwargs).arguments
+        self.sink.append((self.module, arguments[self.input], arguments.get("cache")))
+        return self.module(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.module, name)

@@ -12,9 +12,11 @@ from ...sampling import SamplingConfig
 from ...tree import TreeShape
 from .acceptance import accept_greedy, accept_sampled
 from .early_exit import late_forward
-from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
+from .hidden_states import (capture_layer_outputs, concat_features, decoder_layers, record_inputs,
+                            replay)
 from .sampling import reported_logprobs, sample_token
 from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
+from .target_parts import input_embedding
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from .tree_pass import attention_modules, holds_trees, keep_branch, tree_pass
 from .window_cache import WindowKVCache, make_cache
@@ -31,29 +33,56 @@ def stage_of(model):
 
 
 def model_setting(model, name: str):
-    """A setting of an mlx-lm model's config; multimodal wrappers (qwen3_5) keep the language
-    model's in their text_config."""
-    args = getattr(model, "args", None)
-    value = getattr(args, name, None)
-    text_config = getattr(args, "text_config", None)
-    if value is None and isinstance(text_config, dict):
-        value = text_config.get(name)
-    return value
+    """A setting of an mlx-lm model's config, wherever the model keeps it: its `args` (most
+    models) or `config` (baichuan_m1, plamo2, youtu_llm), or a multimodal wrapper's text_config
+    (a dict for qwen3_5, a ModelArgs for llama4 and kimi_vl) or language model's args."""
+    for args in _model_configs(model):
+        value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _model_configs(model):
+    """The config objects of an mlx-lm model, the outer model's first."""
+    for owner in (model, getattr(model, "language_model", None)):
+        for attr in ("args", "config"):
+            args = getattr(owner, attr, None) if owner is not None else None
+            if args is None:
+                continue
+            yield args
+            text = args.get("text_config") if isinstance(args, dict) else \
+                getattr(args, "text_config", None)
+            if text is not None:
+                yield text
 
 
 def context_length(model) -> int | None:
-    return model_setting(model, "max_position_embeddings")
+    """Positions the model takes (gpt2's and gpt_bigcode's `n_positions`: the rows of their
+    learned position table); None where the config names none."""
+    value = model_setting(model, "max_position_embeddings")
+    return value if value is not None else model_setting(model, "n_positions")
 
 
 def vocab_size(model) -> int:
-    """Rows of the model's embedding table: the token ids it can read."""
-    return int(model_setting(model, "vocab_size"))
+    """Rows of the model's embedding table: the token ids it can read. Read off the weights
+    (configs keep the size in different places, see model_setting), else the config."""
+    embedding = input_embedding(model)
+    rows = embedding.weight.shape[0] if embedding is not None else \
+        model_setting(model, "vocab_size")
+    if rows is None:
+        raise ValueError(f"cannot tell the vocabulary size of {type(model).__module__}: it has "
+                         "no token embedding or vocab_size setting that mlxspec can find")
+    return int(rows)
 
 
 def untrimmable_caches(cache: list) -> list[str]:
-    """Names of cache kinds that can never be cut back, e.g. falcon_h1's CacheList holding a
-    Mamba state beside keys and values in one layer (recurrent layers of their own roll back
-    by other means, see MLXTarget)."""
+    """Names of cache kinds that can never be cut back, e.g. baichuan_m1's windowed layers'
+    CacheList holding a convolution state beside a RotatingKVCache: the state must be restored
+    and the keys and values cut, which a window mlx-lm rotates cannot be past its size.
+    Recurrent layers, falcon_h1's CacheList of a Mamba state beside keys and values included,
+    roll back by other means (see MLXTarget and mlxspec.rollback.is_recurrent); callers leave
+    them out, and any passed in are named."""
     names = []
     for c in cache:
         if isinstance(c, CacheList):
@@ -67,7 +96,10 @@ def untrimmable_caches(cache: list) -> list[str]:
 
 # Where mlx-lm's hybrid layers keep the module that updates a recurrent state: Gated DeltaNet
 # (qwen3_next, qwen3_5), Mamba-2 (nemotron_h's `mixer`, also its attention and MLP blocks' name,
-# granitemoehybrid's `mamba`), gated short convolutions (lfm2's `conv`).
+# granitemoehybrid's `mamba`), gated short convolutions (lfm2's `conv`); also Mamba (mamba's
+# `mixer`, jamba's and falcon_h1's `mamba`, plamo2's `mixer`, beside its attention of that name).
+# Replays call each as its own signature takes it (hidden_states.replay: Jamba's and Mamba's take
+# no mask).
 _STATE_MIXERS = ("linear_attn", "mixer", "mamba", "conv")
 
 
@@ -382,7 +414,7 @@ class MLXTarget:
                 if id(module) in tape:
                     select(c, *tape[id(module)], keep)
                 else:
-                    module(x[:, :keep], mask=None, cache=c)
+                    replay(module, x[:, :keep], c)
             return
         trim_attention(self.cache, inputs.size)
         self.forward.rerun(self.model, inputs[None, :keep], self.cache)  # lazy: with the next pass

@@ -25,6 +25,25 @@ def target_embedding(model):
     return target_inner(model).embed_tokens
 
 
+# Names mlx-lm models give their token embedding where it is not an `embed_tokens` beside the
+# final norm: gpt2/gpt_bigcode's `wte`, mamba's `embeddings`, ...
+_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings",
+                    "embedding")
+
+
+def input_embedding(model):
+    """The module that embeds the model's input tokens, wherever it nests (target_inner's
+    `embed_tokens`, else an embedding module under one of the names above); None when none
+    is found."""
+    try:
+        return target_embedding(model)
+    except ValueError:
+        pass
+    found = {name.rsplit(".", 1)[-1]: module for name, module in model.named_modules()
+             if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))}
+    return next((found[name] for name in _EMBEDDING_NAMES if name in found), None)
+
+
 def target_head(model):
     """The target's LM head module, or its tied embedding used as one."""
     for inner in (model, getattr(model, "language_model", None)):
