@@ -10,7 +10,7 @@ mlx-lm's own classes:
   restored and re-run, the keys and values cut (a recurrent state beside a window mlx-lm
   rotates is still refused, by name).
 - gpt_bigcode reads its cache's offset as one number for its learned positions: in a batch each
-  row gets its own, for each call (mlxspec.backends.mlx.row_positions).
+  row gets its own, for each call (mlxspec.backends.mlx.batch_adapters).
 """
 
 import random
@@ -231,15 +231,28 @@ def test_falcon_h1_rolls_back_its_mamba_states_by_replay_and_cuts_its_keys():
             assert mx.allclose(a, b, atol=1e-4).item()
 
 
-def test_a_recurrent_state_beside_a_rotating_window_is_refused_by_name(tokenizer):
-    """baichuan_m1's windowed layers keep a convolution state beside a RotatingKVCache, which
-    cannot be cut back past its window: a drafter is refused in one line, naming the kind."""
-    model = tiny("baichuan_m1", sliding_window_layers=[0])
+def test_a_recurrent_state_beside_a_window_rolls_back_past_the_window(tokenizer):
+    """baichuan_m1's windowed layers keep a convolution state beside their window (a CacheList;
+    mlx-lm's RotatingKVCache, which cannot be cut back past its size, becomes a WindowKVCache):
+    with lookup, a prompt many windows long decodes as mlx-lm does, drafting; a CacheList
+    beside a window mlx-lm still rotates is refused in one line, naming the kind."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model = tiny("baichuan_m1", sliding_window_layers=[0], sliding_window=4)
+    prompt = PROMPT * 4
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
+    out = list(mlxspec.stream_generate(model, tokenizer, prompt, 16, drafter="lookup"))
+    assert [r.token for r in out] == want and out[-1].drafted > 0
+    rotating = make_prompt_cache(model)
+    for c in rotating:
+        if isinstance(c, CacheList):
+            c.caches = [RotatingKVCache(4, keep=1) if isinstance(m, RotatingKVCache) else m
+                        for m in c.caches]
     with pytest.raises(ValueError) as err:
-        mlxspec.generate(model, tokenizer, PROMPT, 4, drafter="lookup")
+        MLXTarget(model, speculative=True, cache=rotating)
     message = str(err.value)
     assert "CacheList(ArraysCache, RotatingKVCache)" in message and "\n" not in message
-    assert len(mlxspec.generate(model, tokenizer, PROMPT, 4)) > 0  # plain decoding runs
 
 
 # -------------------------------------------------------------------------------------- batches
@@ -307,7 +320,7 @@ def test_row_positions_are_per_row_for_one_call_only():
     own module again after it; a model that reads per-row offsets gets its cache unchanged."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlxspec.backends.mlx.row_positions import rows_at_their_positions
+    from mlxspec.backends.mlx.batch_adapters import rows_at_their_positions
 
     model = tiny("gpt_bigcode")
     cache = [BatchKVCache([0, 0]) for _ in model.transformer.h]

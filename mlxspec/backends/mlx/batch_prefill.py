@@ -15,7 +15,7 @@ import copy
 import mlx.core as mx
 
 from .hidden_states import capture_layer_outputs, concat_features, rows_to_their_lengths
-from .row_positions import rows_at_their_positions
+from .batch_adapters import rows_at_their_positions
 from .target import state_mixers
 
 

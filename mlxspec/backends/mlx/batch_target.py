@@ -40,7 +40,7 @@ from .hidden_states import (capture_layer_outputs, concat_features, record_input
 from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
-from .row_positions import rows_at_their_positions
+from .batch_adapters import rows_at_their_positions
 from .window_cache import WindowKVCache, make_cache
 from .target import (
     cache_offset,

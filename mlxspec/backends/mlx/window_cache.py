@@ -19,7 +19,7 @@ In a batch, rows end at different positions; the same window rule lives in Ragge
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import RotatingKVCache, _BaseCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, RotatingKVCache, _BaseCache, make_prompt_cache
 
 
 def default_spare(window: int) -> int:
@@ -74,7 +74,11 @@ class WindowKVCache(_BaseCache):
         self.keys[..., kept : kept + n, :] = keys
         self.values[..., kept : kept + n, :] = values
         self.offset += n
-        return self.keys[..., : kept + n, :], self.values[..., : kept + n, :]
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        """Every held position's keys and values (what a layer sharing this one's reads)."""
+        return self.keys[..., : self.held, :], self.values[..., : self.held, :]
 
     @staticmethod
     def _resized(old, like, cut: int, kept: int, size: int):
@@ -152,10 +156,16 @@ class WindowKVCache(_BaseCache):
 
 def rollback_windows(cache: list, slack: int = 0) -> list:
     """`cache` (one entry per layer, as mlx-lm's make_prompt_cache gives) with every sliding
-    window (an empty RotatingKVCache keeping no leading positions) held as a WindowKVCache."""
-    return [WindowKVCache(c.max_size, slack=slack)
-            if type(c) is RotatingKVCache and c.keep == 0 and c.offset == 0 else c
-            for c in cache]
+    window (an empty RotatingKVCache keeping no leading positions) held as a WindowKVCache, a
+    CacheList's members too (baichuan_m1's state beside a window)."""
+    out = []
+    for c in cache:
+        if type(c) is RotatingKVCache and c.keep == 0 and c.offset == 0:
+            c = WindowKVCache(c.max_size, slack=slack)
+        elif isinstance(c, CacheList):
+            c.caches = rollback_windows(c.caches, slack)
+        out.append(c)
+    return out
 
 
 def make_cache(model, slack: int = 0) -> list:
