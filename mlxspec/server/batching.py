@@ -159,6 +159,9 @@ class BatchWorker(Worker):
                 self.target = self._new_target()
             except ValueError as err:  # a model whose caches cannot be cut back per row
                 self.refusal = str(err)
+            else:
+                self.refusal = next(filter(None, map(self.target.drafting_refusal,
+                                                     self.drafters.values())), None)
         if self.refusal is not None:
             self.max_batch = 1
 

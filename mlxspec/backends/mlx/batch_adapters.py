@@ -14,6 +14,12 @@ A per-row mask for an attention that groups query heads in a 5-d product. mlx-lm
 reshapes its queries to (rows, kv heads, repeats, L, D) and applies the mask to those scores: a
 batch's mask (rows, 1, L, keys) cannot broadcast against them (mlx-lm's own batch_generate fails
 the same way), so its attentions get the mask as (rows, 1, 1, L, keys).
+
+Each row's queries at its own position in an attention that reuses another layer's keys.
+mlx-lm's afm7 rotates a KV-reuse layer's queries at `S - L`, S the width of the shared key
+buffer, which counts a row's left padding and, in a RaggedKVCache, every column up to the
+longest row's end, while the keys were rotated at each row's own offset: its RoPE is given the
+shared cache's offset per row (after the pass's write, less the queries).
 """
 
 from contextlib import contextmanager
@@ -81,12 +87,34 @@ def _grouped_attentions(model) -> list:
             if getattr(getattr(layer, name), "repeats", 1) > 1]
 
 
+class _SharedKeyPositions:
+    """afm7's KV-reuse RoPE, rotating each row's queries at its own position: the shared
+    cache's offset (its keys are written) less the queries."""
+
+    def __init__(self, rope, cache):
+        self.rope, self.cache = rope, cache
+
+    def __call__(self, x, offset=0):
+        return self.rope(x, offset=self.cache.offset - x.shape[2])
+
+    def __getattr__(self, name):
+        return getattr(self.rope, name)
+
+
+def _kv_reuse_ropes(model, cache: list) -> list:
+    if type(model).__module__ != "mlx_lm.models.afm7" or not cache or \
+            not isinstance(getattr(cache[-1], "offset", None), mx.array):
+        return []
+    return [(layer.self_attn, "rope", _SharedKeyPositions(layer.self_attn.rope, cache[-1]))
+            for layer in model.model.kv_reuse_layers]
+
+
 @contextmanager
 def rows_at_their_positions(model, cache: list):
     """Yield the cache list to give `model` for one batched call: `cache` itself, unless the
     model reads one offset for all rows (which then gets each row's), with the model's
     attentions seeing a batch's mask in the shape they need."""
-    adapters = _grouped_attentions(model)
+    adapters = _grouped_attentions(model) + _kv_reuse_ropes(model, cache)
     where = _ONE_OFFSET.get(type(model).__module__)
     offsets = getattr(cache[0], "offset", None) if cache else None
     if where is None or not isinstance(offsets, mx.array):

@@ -36,7 +36,8 @@ from ...sampling import SamplingConfig
 from .acceptance import accept_greedy, accept_sampled
 from .batch_prefill import JoiningRows, keep_rows
 from .hidden_states import (capture_layer_outputs, concat_features, record_inputs, replay,
-                            run_rows, takes_mask)
+                            run_rows, stops_rows)
+from .padding_probe import padding_refusal
 from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
 from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
@@ -96,7 +97,7 @@ class MLXBatchTarget:
 
     def __init__(self, model, *, capture_layers: Sequence[int] = (),
                  prefill_step_size: int = 2048, kv_bits: int | None = None,
-                 kv_group_size: int = 64):
+                 kv_group_size: int = 64, check_padding: bool = True):
         self.model = model
         # kv_bits: the rows' attention caches hold keys and values quantized (as a single
         # sequence's with kv_bits: its prompt prefilled at full precision, then quantized).
@@ -137,6 +138,10 @@ class MLXBatchTarget:
         # rewound to it (KeptCache.remember_prompt); None for every other row.
         self._prompt_states: list = []
         self._keeping: set[int] = set()  # tickets of joining rows that will be kept
+        # Once per model: its rows must come out of a batch as they do alone (padding_probe).
+        refusal = padding_refusal(model, MLXBatchTarget) if check_padding else None
+        if refusal is not None:
+            raise ValueError(refusal)
 
     @property
     def rows(self) -> int:
@@ -145,7 +150,20 @@ class MLXBatchTarget:
     def bind(self, drafter) -> None:
         """A row's drafter; one that drafts inside the target's own cache cannot be one."""
         drafter.check_batchable()
+        refusal = self.drafting_refusal(drafter)
+        if refusal is not None:
+            raise ValueError(refusal)
         drafter.bind(self)
+
+    def drafting_refusal(self, drafter) -> str | None:
+        """Why rows with `drafter` cannot be verified in this batch (None: they can): a model
+        with recurrent layers whose mixers mlxspec does not know cannot take one row's
+        rejected drafts out of their states."""
+        if drafter.max_draft and self._has_recurrent and not self._mixers:
+            return (f"the {drafter.name} drafter cannot run in a batch on this model: mlxspec "
+                    "knows none of its recurrent layers' mixers, so it cannot take a row's "
+                    "rejected drafts out of their states; its requests run one at a time")
+        return None
 
     # -- joining and leaving ------------------------------------------------------------------
 
@@ -431,7 +449,7 @@ class MLXBatchTarget:
     def _roll_back_states(self, keeps: list[int]) -> None:
         """Each recurrent layer's state after row i's keeps[i]-th position of the last pass."""
         last = self._last
-        if not last["calls"]:
+        if last["states"] is None:  # no recurrent layer, or a pass without drafts
             return
         recurrent = {id(c) for c in self._recurrent()}
         replays = [(m, x, c) for m, x, c in last["calls"] if id(c) in recurrent]
@@ -442,11 +460,11 @@ class MLXBatchTarget:
         for module, x, c in replays:
             if id(module) in last["tape"]:
                 _select_rows(c, *last["tape"][id(module)], keep)
-            elif takes_mask(module):  # re-run the layer from the state before the pass, each
-                c.prepare(lengths=keeps)  # row stopped at its length by the mask and lengths
+            elif stops_rows(module):  # re-run the layer from the state before the pass,
+                c.prepare(lengths=keeps)  # each row stopped at its length by mask and lengths
                 replay(module, x, c, c.make_mask(x.shape[1]))
                 c.finalize()
-            else:  # a mixer that takes no mask (Jamba's, Mamba's) re-runs row by row
+            else:  # one that cannot stop rows (Jamba's, Mamba's, nemotron_h's) row by row
                 run_rows(module, x, c, keeps)
 
     def _recurrent(self) -> list:

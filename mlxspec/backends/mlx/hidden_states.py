@@ -83,6 +83,19 @@ def takes_mask(module) -> bool:
     return "mask" in _parameters(module)
 
 
+# Recurrent mixers that take a mask but do not stop a row at its length with it: nemotron_h's
+# Mamba-2 mixer hands its scan no `lengths` (mlx-lm's mamba2 and falcon_h1 do), so a row that
+# ends before the pass does keeps a state read at the pass's last, masked position.
+_IGNORE_LENGTHS = ("mlx_lm.models.nemotron_h.NemotronHMamba2Mixer",)
+
+
+def stops_rows(module) -> bool:
+    """Whether a recurrent mixer stops each row of a padded batch pass at its own length (the
+    cache's `lengths` and mask); the others run row by row (run_rows)."""
+    kind = type(module)
+    return takes_mask(module) and f"{kind.__module__}.{kind.__qualname__}" not in _IGNORE_LENGTHS
+
+
 def replay(module, x, cache, mask=None):
     """Call a recorded mixer again on `x` and `cache` as its own signature takes them: the input
     first, the cache by name, and `mask` only where it takes one."""
@@ -119,7 +132,7 @@ def run_rows(module, x: mx.array, cache, lengths: list[int]) -> mx.array:
 
 
 class _RowByRow:
-    """A mixer taking no mask, during a right-padded batch pass whose caches were `prepare`d
+    """A mixer that cannot stop rows at their lengths (stops_rows), during a right-padded batch pass whose caches were `prepare`d
     with each row's length (a batch's prefill): it runs each row to its own length (run_rows)."""
 
     def __init__(self, module):
@@ -141,10 +154,10 @@ class _RowByRow:
 
 @contextmanager
 def rows_to_their_lengths(modules: list[tuple[object, str]]):
-    """For one batch pass: the mixers named by (owner, attribute name) that take no mask stop
-    each row at its length (see _RowByRow); the others already do."""
+    """For one batch pass: the mixers named by (owner, attribute name) that cannot stop each
+    row at its length (stops_rows) run row by row (see _RowByRow); the others already do."""
     wrapped = [(owner, name, _RowByRow(getattr(owner, name))) for owner, name in modules
-               if not takes_mask(getattr(owner, name))]
+               if not stops_rows(getattr(owner, name))]
     with instance_attributes(wrapped):
         yield
 
