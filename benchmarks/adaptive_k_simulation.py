@@ -4,7 +4,7 @@
    first-draft acceptance p and the cost of a K = 1 step (in plain steps). Later drafts are
    accepted 10% of the time, each costs 0.1 of a step more, and step times carry ±10% noise;
    20,000 steps, mean of 3 seeds.
-2. Finding the best K (the time line's weights, `fit_weight_cap`, and the neighbour probe,
+2. Finding the best K (the step cost's weights, `StepCost.weight_cap`, and the neighbour probe,
    `neighbour_margin`): adaptive over the best fixed K of 0..14, by per-position acceptance p
    and the cost of one more draft (in plain steps; a drafting step costs 0.15 more than a plain
    one), with lognormal step-time noise; 300 steps (a short answer) and 2,000, mean of 20 seeds.
@@ -18,7 +18,7 @@
 
 import random
 
-from mlxspec.engine import AdaptiveDraftLength
+from mlxspec.draft_length import AdaptiveDraftLength
 
 
 def run(policy: AdaptiveDraftLength, steps: int, seed: int, accept, seconds,
@@ -52,7 +52,7 @@ def simulate_long(p: float, slope: float, noise: float, steps: int, seed: int,
     """Scenario 2: every position accepted with probability p, a step costing
     (1 + 0.15 [K > 0] + slope K) x lognormal(0, noise)."""
     policy = AdaptiveDraftLength(15)
-    policy.fit_weight_cap, policy.neighbour_margin = weight_cap, neighbour
+    policy.step_cost.weight_cap, policy.neighbour_margin = weight_cap, neighbour
     return run(policy, steps, seed, lambda i: p,
                lambda k, rng: (1.0 + 0.15 * (k > 0) + slope * k) * rng.lognormvariate(0.0, noise),
                fixed=fixed)

@@ -10,7 +10,7 @@ import json
 
 import mlxspec
 from mlxspec.bench import run_benchmark
-from mlxspec.drafters.match_length import copier_policy
+from mlxspec.draft_length import copier_policy
 from mlxspec.drafters.suffix import SuffixDrafter
 
 

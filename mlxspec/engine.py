@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
-from .acceptance import AcceptanceCurve
+from .draft_length import (AdaptiveDraftLength, DraftLengthPolicy, TreeBudget, VerifyBudget,
+                           conditional_from_reach)
 from .sampling import SamplingConfig
 from .tree import TreeShape
-from .verify_budget import VerifyBudget, conditional_from_reach
 
 
 @dataclass
@@ -266,10 +266,11 @@ class Drafter:
         stopped reading): `tokens` is all it committed. A drafter that learns from one sequence
         for the next (suffix decoding's shared history) keeps what it wants of it."""
 
-    def draft_policy(self, max_k: int, greedy: bool) -> "AdaptiveDraftLength":
-        """The adaptive-K policy for this drafter, kept across generations: acceptance per
-        position and step timings carry over from one prompt (or chat turn) to the next, so a
-        short generation does not pay the exploration again (greedy and sampled apart)."""
+    def draft_policy(self, max_k: int, greedy: bool) -> DraftLengthPolicy:
+        """The adaptive-K policy for this drafter (draft_length: AdaptiveDraftLength for
+        chains, TreeBudget for trees), kept across generations: acceptance per position and
+        step timings carry over from one prompt (or chat turn) to the next, so a short
+        generation does not pay the exploration again (greedy and sampled apart)."""
         policies = self.__dict__.setdefault("_draft_policies", {})
         key = (max_k, greedy)
         if key not in policies:
@@ -326,201 +327,6 @@ class SpecStats:
         return [a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
 
-class AdaptiveDraftLength:
-    """Choose K each step to maximise expected tokens per second, from live measurements.
-
-    Two running estimates: P(draft i accepted | draft i-1 accepted) per position, and the wall
-    time of a step as a function of K (a line through per-K averages; on a CPU verifying 9 tokens
-    costs far more than 1, on a GPU nearly the same). K = argmax (1 + sum of reach probabilities)
-    / time(K), so useless drafts stop costing verify work on any machine. When K = 0 wins, one
-    draft is still tried now and then to notice when drafts become good again: once the plain
-    steps since the last probe outnumber what a probe is expected to lose (in plain steps'
-    tokens) 1 / `probe_share` times over, as VerifyBudget probes a batch. A probe near
-    break-even comes within a few steps, a dear one rarely. Every 8 steps whatever it cost,
-    where drafting loses badly (p = 0.02, a K = 1 step 2 plain steps) it ran 0.88x of plain
-    decoding, simulated; 0.96x so (benchmarks/adaptive_k_simulation.py, probe table).
-
-    Acceptance is a discounted mean (`decay` 0.9: about the last ten steps at each position),
-    and a position not yet drafted is expected to do as the one before it (acceptance.py).
-    With 0.7 (about three), an acceptance a little above the break-even point fell below it
-    after two misses and the loop drafted nothing until the next probe: a weak drafter (τ 1.25
-    at K = 1) ran at 0.89-0.95x of a fixed K = 1 (SmolLM2's EAGLE-3, this CPU); simulated at
-    p = 0.35, 0.92x at 0.7 and 0.97x at 0.9, while text that switches between copying and new
-    prose every 50 steps loses 2%.
-
-    Near break-even it still drafts one (`probe_margin`: when K = 1 is expected within 5% of
-    drafting nothing). Drafting nothing stops the first position's estimate from learning, so
-    one that noise pushed just under break-even stayed there until a probe hit (about 24 steps
-    at p = 0.31): SmolLM2's EAGLE-3 (p 0.31, a K = 1 step 1.24 plain steps, break-even 0.24)
-    drafted in half its steps and ran 0.89x of a fixed K = 1 on HumanEval. Simulated
-    (benchmarks/adaptive_k_simulation.py): at p = 0.31, 0.97x of a fixed K = 1 without the
-    margin, 0.99x with it; where drafting loses (p = 0.1), 0.98x of plain decoding either way.
-
-    Finding the best K, not only a good one: the time line weighs each K's mean by how often it
-    was timed (`fit_weight_cap` 8), so one noisy probe no longer tilts it, and every
-    `probe_every` drafting steps it runs K + 1 where that is expected within 10% of the chosen K
-    (`neighbour_margin`), so the line is measured past the K in use, not extrapolated. Simulated
-    (benchmarks/adaptive_k_simulation.py, ±30% step noise, 2,000 steps): at p = 0.95 and 0.05
-    of a step per draft (best K 14) 0.90x of the best fixed K before, 1.00x after; p = 0.9 and
-    0.35 per draft (best K 5) 0.95x before, 0.98x after; never more than 1.3% worse.
-    """
-
-    reads_tokens = False  # next_k() needs only this object's state, not the latest tokens
-    probe_margin = 0.95
-    probe_share = 0.02  # the most of the plain steps' time probes may lose
-    neighbour_margin = 0.9
-    fit_weight_cap = 8
-
-    def __init__(self, max_k: int, decay: float = 0.9, probe_every: int = 8,
-                 prior_token_cost: float = 0.1, min_token_cost: float = 0.03):
-        self.max_k, self.decay, self.probe_every = max_k, decay, probe_every
-        self.prior_token_cost = prior_token_cost  # extra verify time per draft, x a plain step
-        self.min_token_cost = min_token_cost  # verifying is never free, whatever timing noise says
-        self.curve = AcceptanceCurve(max_k, decay)
-        self.step_time: dict[int, float] = {}  # K -> running mean of step seconds
-        self.step_count: dict[int, int] = {}  # K -> steps timed at it (the fit's weights)
-        self.idle_steps = self.drafting_steps = 0
-
-    @property
-    def conditional(self) -> list[float]:
-        """The estimated P(draft i accepted | draft i-1 accepted) per position."""
-        return self.curve.estimates()
-
-    @conditional.setter
-    def conditional(self, values) -> None:
-        self.curve = AcceptanceCurve.fixed(values, self.decay)
-
-    def _time_model(self) -> tuple[float, float, float]:
-        """(plain step time, drafting step intercept, seconds per draft token)."""
-        # Each K's mean weighs by how often it was timed (up to fit_weight_cap): a K probed
-        # once carries one noisy sample, and at equal weights it tilted the line as much as
-        # the K run every step did.
-        drafted = sorted((k, t, min(self.step_count.get(k, 1), self.fit_weight_cap))
-                         for k, t in self.step_time.items() if k > 0)
-        plain = self.step_time.get(0)
-        if len(drafted) >= 2:
-            n = sum(w for _, _, w in drafted)
-            mean_k = sum(k * w for k, _, w in drafted) / n
-            mean_t = sum(t * w for _, t, w in drafted) / n
-            var = sum(w * (k - mean_k) ** 2 for k, _, w in drafted)
-            slope = max(sum(w * (k - mean_k) * (t - mean_t) for k, t, w in drafted) / var, 0.0)
-            intercept = mean_t - slope * mean_k
-        elif drafted:
-            # One K timed: the prior slope, in plain steps; with no plain step timed, the plain
-            # step it implies (t1 = plain x (1 + prior x k1)), as VerifyBudget's one point. A
-            # slope scaled by t1 itself put the intercept at t1 (1 - prior x k1): zero at
-            # k1 = 10 and below past it, so a copier's first long draft divided by zero.
-            (k1, t1, _), = drafted
-            slope = self.prior_token_cost * (plain or t1 / (1 + self.prior_token_cost * k1))
-            intercept = t1 - slope * k1
-        else:
-            plain = plain or 1.0
-            slope, intercept = self.prior_token_cost * plain, plain
-        if plain is None:  # a fitted line's intercept, unless noise put it at or below zero
-            (k1, t1, _) = drafted[0]
-            plain = intercept if intercept > 0 else t1 / (1 + self.prior_token_cost * k1)
-        return plain, max(intercept, 1e-6), max(slope, self.min_token_cost * plain)
-
-    def next_k(self) -> int:
-        plain, intercept, slope = self._time_model()
-        expected, reach = [1.0], 1.0  # expected tokens of a step at K = 0, 1, ...
-        for rate in self.conditional:
-            reach *= rate
-            expected.append(expected[-1] + reach)
-        speeds = [1.0 / plain] + [expected[k] / (intercept + slope * k)
-                                  for k in range(1, len(expected))]
-        best_k = max(range(len(speeds)), key=speeds.__getitem__)
-        if best_k == 0 and len(speeds) > 1 and speeds[1] >= self.probe_margin * speeds[0]:
-            best_k = 1  # within the margin of break-even: drafting costs little, and teaches
-        if best_k == 0:
-            self.idle_steps += 1
-            if self._probe_due(expected[1] * (speeds[0] / speeds[1] - 1.0)):
-                self.idle_steps, best_k = 0, 1
-        elif best_k < self.max_k:
-            self.drafting_steps += 1
-            if self.drafting_steps % self.probe_every == 0 and \
-                    speeds[best_k + 1] >= self.neighbour_margin * speeds[best_k]:
-                best_k += 1  # the neighbour nearly as good: measure it, not only extrapolate
-        self.last_k = best_k
-        return best_k
-
-    last_k = 1  # the K last chosen
-
-    def _probe_due(self, loss: float) -> bool:
-        """Whether to probe K = 1 now, drafting nothing: `loss` is what the probe is expected
-        to lose, in plain steps' tokens, and the plain steps since the last one must outnumber
-        it 1 / probe_share times over."""
-        return loss <= self.probe_share * self.idle_steps
-
-    def cut(self, draft: Draft) -> Draft:
-        """The part of a proposed draft the step verifies: all of it, its K chosen before (a
-        policy reading a draft's own scores keeps a prefix: match_length.ScoredDraftLength)."""
-        return draft
-
-    def draft_reach(self, draft: Draft) -> list[float] | None:
-        """The chance of reaching each draft of a proposed chain, read from the draft itself
-        (ScoredDraftLength: its path frequencies), or None when the policy knows only its
-        running estimate. A batch choosing one width for its rows weighs such a draft by it."""
-        return None
-
-    def expected_accepted(self) -> float:
-        """Drafts a step at the last chosen K is expected to have accepted (what a copier's
-        draft is weighed against in front of a model drafter: CopyFirstDrafter)."""
-        expected, reach = 0.0, 1.0
-        for rate in self.conditional[: self.last_k]:
-            reach *= rate
-            expected += reach
-        return expected
-
-    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        self.curve.observe(drafted, accepted)
-        if seconds is not None and seconds > 0:  # a clock that did not move measured nothing
-            old = self.step_time.get(drafted)
-            self.step_time[drafted] = seconds if old is None else 0.7 * old + 0.3 * seconds
-            self.step_count[drafted] = self.step_count.get(drafted, 0) + 1
-
-
-class TreeBudget:
-    """A tree's node budget chosen by what each budget yields: committed tokens per second of
-    step, a running mean per candidate budget (powers of two up to the most). Each candidate is
-    tried once, then the best is used, and every `probe_every` steps a neighbour of it is tried
-    again, so a change in the text or the machine moves the choice."""
-
-    reads_tokens = False  # next_k() needs only this object's state
-
-    def __init__(self, max_k: int, probe_every: int = 8, decay: float = 0.7):
-        self.budgets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_k} | {max_k})
-        self.probe_every, self.decay = probe_every, decay
-        self.rate: dict[int, float] = {}  # budget -> running mean of tokens per second
-        self.steps, self.current = 0, self.budgets[-1]
-
-    def best(self) -> int:
-        return max(self.rate, key=self.rate.get)
-
-    def cut(self, draft: Draft) -> Draft:
-        return draft  # the budget was chosen before
-
-    def next_k(self) -> int:
-        self.steps += 1
-        untried = [b for b in self.budgets if b not in self.rate]
-        if untried:
-            self.current = untried[-1]
-        elif self.steps % self.probe_every == 0:
-            i = self.budgets.index(self.best())
-            neighbours = self.budgets[max(i - 1, 0) : i] + self.budgets[i + 1 : i + 2]
-            self.current = neighbours[(self.steps // self.probe_every) % len(neighbours)] \
-                if neighbours else self.best()
-        else:
-            self.current = self.best()
-        return self.current
-
-    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        if seconds is None or seconds <= 0 or drafted == 0:
-            return
-        rate, old = (accepted + 1) / seconds, self.rate.get(self.current)
-        self.rate[self.current] = rate if old is None else self.decay * old + (1 - self.decay) * rate
-
-
 def requested_drafts(drafter: Drafter, num_draft: int | None, adaptive: bool) -> int:
     """The drafts per step a caller asked for, or else the drafter's default: an adaptive K's
     ceiling (adaptive_num_draft) when K adapts, its fixed default when not."""
@@ -561,15 +367,16 @@ class Start(NamedTuple):
 class Row:
     """One sequence in the loop, with everything that is its own: its tokens (prompt, then
     each committed one; the last is pending), drafter and its state, draft length (its most
-    drafts per step and its adaptive policy, None for a fixed K), sampling settings, stop
-    tokens, token budget, logprobs, and statistics. Rows are compared by identity."""
+    drafts per step and its K policy, a draft_length.DraftLengthPolicy; None for a fixed K),
+    sampling settings, stop tokens, token budget, logprobs, and statistics. Rows are compared
+    by identity."""
 
     drafter: Drafter
     tokens: list[int]
     sampling: SamplingConfig
     max_tokens: int
     max_k: int
-    policy: Any = None
+    policy: DraftLengthPolicy | None = None
     stop_tokens: frozenset = frozenset()
     logprobs: int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
@@ -590,6 +397,12 @@ class Row:
     def k_ahead(self) -> bool:
         """Whether its next K is known before its latest pass is read."""
         return self.policy is None or not self.policy.reads_tokens
+
+    @property
+    def shares_width(self) -> bool:
+        """Whether, in a batch of several rows, it drafts to the batch's shared width (its
+        policy says: DraftLengthPolicy.shares_width); a fixed K never does."""
+        return self.policy is not None and self.policy.shares_width
 
 
 class OneRow:
@@ -684,15 +497,13 @@ class Loop:
         self.joining: list[Row] = []  # to be added to the target at the next step boundary
         self.filling: dict[int, Row] = {}  # added, being prefilled: by the target's ticket
         self.step = None  # the pass queued and not yet read, over every row in self.rows
-        # Several rows with an adaptive K: the batch's pass width, chosen for all of them.
+        # Several rows whose policies share the width: the batch's pass width, chosen for all
+        # of them, and the step times it is chosen by.
         self.budget: VerifyBudget | None = None
         self.clock = 0.0  # when the last pass was read
         # Shared rows whose width waits for their free drafts (Drafter.free_drafts), with their
         # caps: set by _next_ks for the next _launch.
         self.width_after_drafts: dict[Row, int] | None = None
-        # Plain passes queued ahead and read since the last step the budget recorded, with their
-        # seconds: each read's interval holds the next pass's launch, so they are timed together.
-        self.chained = (0, 0.0)
         self.cancelled: set[Row] = set()
 
     def join(self, row: Row) -> None:
@@ -745,7 +556,7 @@ class Loop:
         # Drafts past max_tokens or the context window would be wasted work; what the cache can
         # roll back is known before proposing, so no drafter holds drafts it never hears about.
         if wanted is None:
-            wanted = row.policy.next_k() if row.policy else row.max_k
+            wanted = row.policy.next_k() if row.policy is not None else row.max_k
         wanted = k = min(wanted, row.max_tokens - produced - 1)
         if self.target.context_length is not None:
             k = min(k, self.target.context_length - length)
@@ -761,7 +572,9 @@ class Loop:
         alone, while the batch's width cuts it, its padding paid anyway)."""
         draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
         if row.policy is not None and not whole:
-            draft = row.policy.cut(draft)
+            kept = row.policy.keep(draft)
+            if kept < len(draft):
+                draft = draft.prefix(kept) if kept else EMPTY_DRAFT
         return self._as_verified(row, draft)
 
     def _acceptance(self, row: Row, draft: Draft | None) -> list[float]:
@@ -825,9 +638,9 @@ class Loop:
         queued before this one is read, which is then plain, so its own token still to come
         counts (None: not known before the rows' free drafts are)."""
         known = known or {}
-        shared = [row for row in self.rows if row not in known
-                  and isinstance(row.policy, AdaptiveDraftLength)] if len(self.rows) > 1 else []
-        if shared:  # the batch's rows with an adaptive K draft to one width, chosen together
+        shared = [row for row in self.rows if row not in known and row.shares_width] \
+            if len(self.rows) > 1 else []
+        if shared:  # rows whose policies share the width draft to one, chosen together
             caps = {row: self._choose_k(row, row.produced + ahead, len(row.tokens) + ahead,
                                         row.max_k) for row in shared}
             if self.budget is None:
@@ -881,7 +694,8 @@ class Loop:
                 verdicts = self.step.verdicts()  # the step's one host sync
                 now = time.perf_counter()
                 if self.budget is not None and len(self.rows) > 1:
-                    self._time_step(now - self.clock, chained=queued is not None)
+                    self.budget.time_step(len(self.rows), self.step.num_drafts,
+                                          now - self.clock, chained=queued is not None)
                 self.clock = now
                 self.target.settle(verdicts)
                 self.step = queued
@@ -906,21 +720,6 @@ class Loop:
             for row in self.rows:  # rows that left ended then; these end now
                 row.drafter.end(row.tokens)
 
-    def _time_step(self, seconds: float, chained: bool) -> None:
-        """Record the step just read in the batch's budget. A plain pass queued ahead is
-        launched before the current one is read, and a launch may compute (MLX on a CPU), so
-        a chain of them is timed as one: its seconds shared among its passes (all plain, over
-        the same rows)."""
-        passes, total = self.chained
-        passes, total = passes + 1, total + seconds
-        if chained:
-            self.chained = (passes, total)
-            return
-        self.chained = (0, 0.0)
-        drafts = self.step.num_drafts
-        self.budget.record(len(self.rows) * (1 + max(drafts)), total / passes,
-                           sum(1 for k in drafts if k))
-
     def _commit(self, row: Row, verdict: Verdict, now: float) -> list[tuple]:
         """Keep what `verdict` committed for `row`; its events, up to a stop token or its
         max_tokens (then it is finished)."""
@@ -930,10 +729,10 @@ class Loop:
         row.tokens += verdict.committed
         row.drafter.commit(row.tokens, verdict)
         row.stats.record(*emitted_counts(verdict, len(new)), len(new))
-        if row.policy:
+        if row.policy is not None:
             row.policy.update(len(verdict.draft_tokens), verdict.accepted,
                               None if row.clock is None else now - row.clock)
-        if self.budget is not None and isinstance(row.policy, AdaptiveDraftLength):
+        if self.budget is not None and row.shares_width:
             self.budget.observe(row, row.drafter.name, len(verdict.draft_tokens),
                                 verdict.accepted)
         row.produced, row.clock = row.produced + len(new), now
@@ -953,7 +752,7 @@ def speculative_tokens(
     max_tokens: int,
     num_draft: int,
     stats: SpecStats,
-    adaptive: "bool | AdaptiveDraftLength" = False,
+    adaptive: "bool | DraftLengthPolicy" = False,
     stop_tokens: "set[int] | frozenset[int]" = frozenset(),
     overlap: bool = True,
     logprobs: int | None = None,
@@ -963,15 +762,16 @@ def speculative_tokens(
     from_draft, logprob, top_logprobs) scored by the target in the pass that committed the
     token (Verdict.logprobs), at no extra sync. The target cache always holds every committed
     token but the last ("pending") one, so each pass starts from it and yields at least one new
-    token. `adaptive`: the drafter's own adaptive K policy (kept across its generations), or
-    one given; `overlap`: see Loop."""
+    token. `adaptive`: True for the drafter's own K policy (Drafter.draft_policy, kept across
+    its generations), a DraftLengthPolicy to use that one, False for a fixed K; `overlap`: see
+    Loop."""
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     max_k = draft_limit(drafter, num_draft)
-    if isinstance(adaptive, AdaptiveDraftLength):
-        policy = adaptive
-    else:
+    if isinstance(adaptive, bool):  # the drafter's own policy, or a fixed K
         policy = drafter.draft_policy(max_k, sampling.temp == 0) if adaptive and max_k else None
+    else:  # a DraftLengthPolicy given (or None: a fixed K)
+        policy = adaptive
     loop = Loop(OneRow(target), overlap=overlap)
     loop.join(Row(drafter, list(prompt), sampling, max_tokens, max_k, policy,
                   frozenset(stop_tokens), logprobs, stats))

@@ -19,7 +19,7 @@ from mlxspec.cli.main import main
 from mlxspec.drafters.dflash import DFlashDrafter, load_dflash_drafter
 from mlxspec.drafters.dflash2 import DFlash2Drafter, load_dflash2_drafter
 from mlxspec.drafters.dspark import DSparkDrafter, load_dspark_drafter
-from mlxspec.drafters.match_length import ScoredDraftLength
+from mlxspec.draft_length import ScoredDraftLength
 from mlxspec.engine import PlainDecoding, SpecStats, speculative_tokens
 from mlxspec.models.dflash import DFlashConfig, DFlashModel
 from mlxspec.models.dflash2 import DFlash2Config, DFlash2Model

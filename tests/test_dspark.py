@@ -31,8 +31,8 @@ from mlxspec.backends.mlx.target import MLXTarget
 from mlxspec.drafters import load_drafter
 from mlxspec.drafters.dflash import load_dflash_drafter
 from mlxspec.drafters.dspark import DSparkDrafter, load_dspark_drafter
-from mlxspec.drafters.match_length import ScoredDraftLength
-from mlxspec.engine import AdaptiveDraftLength, Drafter, SpecStats, speculative_tokens
+from mlxspec.draft_length import AdaptiveDraftLength, ScoredDraftLength
+from mlxspec.engine import Drafter, SpecStats, speculative_tokens
 from mlxspec.models.dspark import DSparkConfig, DSparkModel
 from mlxspec.sampling import SamplingConfig
 
@@ -308,7 +308,7 @@ def test_the_confidence_head_is_what_sets_the_draft_length(target, drafter_dir, 
     drafts timed at 1 + 0.1 K plain steps, so that a draft is worth its chance alone)."""
     drafter = load_dspark_drafter(drafter_dir, model=target)
     assert isinstance(drafter.draft_policy(BLOCK, True), ScoredDraftLength)
-    monkeypatch.setattr(ScoredDraftLength, "_time_model", lambda self: (1.0, 1.0, 0.1))
+    monkeypatch.setattr(ScoredDraftLength, "time_line", lambda self: (1.0, 1.0, 0.1))
     monkeypatch.setattr(DSparkDrafter, "confidence_reach",
                         lambda self: [0.99, 0.98, 1e-4, 1e-8, 1e-12][: len(self._confidence)])
     stats = SpecStats()
@@ -328,19 +328,19 @@ def test_the_confidence_head_is_what_sets_the_draft_length(target, drafter_dir, 
 def test_a_confidence_cut_to_nothing_rests_the_drafter(monkeypatch):
     """Confidences too low to pay: the step drafts nothing, and the next probe_every steps skip
     the drafter's pass (K = 0) before the head is asked again with a whole block."""
-    from mlxspec.drafters.match_length import ConfidenceDraftLength
+    from mlxspec.draft_length import ConfidenceDraftLength
     from mlxspec.engine import Draft
 
     reach = [1e-6, 1e-7]
     policy = ConfidenceDraftLength(BLOCK, lambda: reach, probe_every=3)
-    monkeypatch.setattr(ConfidenceDraftLength, "_time_model", lambda self: (1.0, 1.0, 0.1))
+    monkeypatch.setattr(ConfidenceDraftLength, "time_line", lambda self: (1.0, 1.0, 0.1))
     draft = Draft(tokens=mx.array([1, 2]))
     assert policy.next_k() == BLOCK
-    assert len(policy.cut(draft)) == 0
+    assert policy.keep(draft) == 0
     assert [policy.next_k() for _ in range(3)] == [0, 0, 0]
     assert policy.next_k() == BLOCK  # asked again
     reach[:] = [0.99, 0.98]
-    assert len(policy.cut(draft)) == 2 and policy.next_k() == BLOCK  # drafts that pay: no rest
+    assert policy.keep(draft) == 2 and policy.next_k() == BLOCK  # drafts that pay: no rest
 
 
 def test_confidences_are_each_rows_own_in_a_batch(target, drafter_dir):

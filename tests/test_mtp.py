@@ -9,6 +9,7 @@ import shutil
 from collections import Counter
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 import pytest
 from click.testing import CliRunner
 from mtp_models import write_deepseek_v3, write_qwen3_5
@@ -58,7 +59,7 @@ def run(model, drafter, prompt, n, sampling=GREEDY, num_draft=3, adaptive=False)
 
 
 def plain(model, prompt, n):
-    tokens, cache = list(prompt), mlxspec.backends.mlx.target.make_prompt_cache(model)
+    tokens, cache = list(prompt), make_prompt_cache(model)
     logits = model(mx.array(tokens)[None], cache=cache)
     out = []
     for _ in range(n):

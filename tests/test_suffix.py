@@ -353,7 +353,7 @@ def test_bench_gives_each_suffix_label_its_own_history(monkeypatch):
 def test_copiers_choose_k_by_the_length_of_their_match():
     """Long matches accepted in full, one-token matches never: the policy drafts the most K in
     the first case and at most one in the second, from one shared time model."""
-    from mlxspec.drafters.match_length import MatchLengthDraftLength, bucket_of
+    from mlxspec.draft_length import MatchLengthDraftLength, bucket_of
 
     assert [bucket_of(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 40)] == \
         [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
@@ -394,7 +394,7 @@ def test_suffix_keeps_the_part_of_its_draft_worth_verifying():
     whose path frequencies pay for its verify time (sure tokens kept, rare ones dropped when a
     draft token costs a fifth of a step), and where predicted tokens keep being rejected the
     frequencies are trusted less, down to a probe draft now and then."""
-    from mlxspec.drafters.match_length import ScoredDraftLength
+    from mlxspec.draft_length import ScoredDraftLength
     from mlxspec.engine import Draft
 
     probs = [1.0, 1.0, 1.0, 0.9, 0.15, 0.12]
@@ -403,17 +403,17 @@ def test_suffix_keeps_the_part_of_its_draft_worth_verifying():
     for k in (0, 1, 4):  # a step costs 1 + 0.2 K plain steps
         policy.update(k, k, 1.0 + 0.2 * k)
     draft = Draft(tokens=[1, 2, 3, 4, 5, 6])
-    assert policy.cut(draft).tokens == [1, 2, 3, 4]
+    assert policy.keep(draft) == 4
     probs[:] = [1.0] * 6
-    assert policy.cut(draft).tokens == [1, 2, 3, 4, 5, 6]
+    assert policy.keep(draft) == 6
     for _ in range(30):  # every predicted token wrong
-        kept = policy.cut(draft)
-        policy.update(len(kept), 0, 1.0 + 0.2 * len(kept))
+        kept = policy.keep(draft)
+        policy.update(kept, 0, 1.0 + 0.2 * kept)
     assert policy.calibration < 0.2
-    kept = [len(policy.cut(draft)) for _ in range(policy.probe_every)]
+    kept = [policy.keep(draft) for _ in range(policy.probe_every)]
     assert kept.count(0) == policy.probe_every - 1 and kept.count(1) == 1
     tree = Draft(tokens=[1, 2], parents=(0, 0))
-    assert policy.cut(tree) is tree  # a tree's budget is TreeBudget's
+    assert policy.keep(tree) == 2  # kept whole: a tree's budget is TreeBudget's
 
 
 def test_one_long_timed_draft_and_no_plain_step_give_a_positive_step_time():
@@ -422,22 +422,22 @@ def test_one_long_timed_draft_and_no_plain_step_give_a_positive_step_time():
     prior put the plain step at t (1 - 0.1 x 10) = 0. The one point now implies its plain step
     (t / (1 + 0.1 K)), as VerifyBudget's does, for any K; a clock that did not move is no
     sample."""
-    from mlxspec.drafters.match_length import ScoredDraftLength
+    from mlxspec.draft_length import ScoredDraftLength
     from mlxspec.engine import Draft
 
     for k in (10, 12, 16):
         policy = ScoredDraftLength(16, lambda: [1.0] * 16)
         policy.update(k, k, 0.3)
         policy.update(0, 0, 0.0)  # measured nothing: ignored
-        plain, intercept, slope = policy._time_model()
-        assert 0.0 not in policy.step_time.values()
+        plain, intercept, slope = policy.time_line()
+        assert 0.0 not in policy.step_cost.seconds.values()
         assert plain == pytest.approx(0.3 / (1 + 0.1 * k)) and intercept == pytest.approx(plain)
         assert slope == pytest.approx(0.1 * plain)
-        assert len(policy.cut(Draft(tokens=list(range(k))))) == k  # sure drafts kept whole
+        assert policy.keep(Draft(tokens=list(range(k)))) == k  # sure drafts kept whole
 
 
 def test_the_loop_verifies_what_the_row_s_policy_keeps_of_a_draft(target):
-    """The loop verifies the part of a draft the row's policy keeps (its `cut`): a policy
+    """The loop verifies the part of a draft the row's policy keeps (its `keep`): a policy
     keeping one token gets one-token steps; at a fixed K (no policy) every draft suffix
     proposes from its own earlier reply is verified whole. Both give plain's output."""
     prompt = [3, 1, 4, 1, 5]
@@ -445,7 +445,7 @@ def test_the_loop_verifies_what_the_row_s_policy_keeps_of_a_draft(target):
     for adaptive in (False, True):
         drafter = SuffixDrafter()
         run(target, drafter, prompt, max_tokens=40)  # its reply: the next run's drafts
-        drafter.draft_policy(6, True).cut = lambda draft: draft.prefix(1)
+        drafter.draft_policy(6, True).keep = lambda draft: min(len(draft), 1)
         proposed, propose = [], drafter.propose
         drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
         out, stats = run(target, drafter, prompt, max_tokens=40, adaptive=adaptive)
@@ -463,22 +463,20 @@ def test_a_batch_weighs_suffix_drafts_by_their_own_frequencies(target, monkeypat
     is chosen from each draft's calibrated path frequencies, and the output is plain's."""
     from test_api_hardening import tiny_tokenizer
 
-    from mlxspec.drafters.match_length import ScoredDraftLength
-    from mlxspec.engine import EMPTY_DRAFT
-    from mlxspec.verify_budget import VerifyBudget
+    from mlxspec.draft_length import ScoredDraftLength, VerifyBudget
 
     tokenizer = tiny_tokenizer(16)
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [5] * 11, [3]]
     plain = mlxspec.batch_generate(target, tokenizer, prompts, 16)
     drafter = mlxspec.load_drafter("suffix", model=target, tokenizer=tokenizer)
     mlxspec.batch_generate(target, tokenizer, prompts, 16, drafter=drafter)  # the history
-    monkeypatch.setattr(ScoredDraftLength, "cut", lambda self, draft: EMPTY_DRAFT)
+    monkeypatch.setattr(ScoredDraftLength, "keep", lambda self, draft: 0)
     seen, width = [], VerifyBudget.width
     monkeypatch.setattr(VerifyBudget, "width", lambda self, acceptance, caps: (
         seen.append(acceptance) or width(self, acceptance, caps)))
     out = mlxspec.batch_generate(target, tokenizer, prompts, 16, drafter=drafter)
     assert out.token_ids == plain.token_ids
-    assert sum(s.accepted for s in out.stats) > 0  # drafts no row's cut kept
+    assert sum(s.accepted for s in out.stats) > 0  # drafts no row's own policy kept
     # read from a draft: one estimate per drafted token (the budget's own lists all 16)
     from_drafts = [row for acceptance in seen for row in acceptance if len(row) < 16]
     assert from_drafts and all(0 <= c <= 1 for row in from_drafts for c in row)

@@ -18,7 +18,7 @@ pytest.importorskip("transformers", reason="the torch backend needs transformers
 import mlxspec  # noqa: E402
 from mlxspec.backends.mlx.target import MLXTarget  # noqa: E402
 from mlxspec.backends.torch import TorchTarget  # noqa: E402
-from mlxspec.drafters.match_length import ScoredDraftLength  # noqa: E402
+from mlxspec.draft_length import ScoredDraftLength  # noqa: E402
 from mlxspec.engine import SpecStats, speculative_tokens  # noqa: E402
 from mlxspec.sampling import SamplingConfig  # noqa: E402
 from test_dflash2 import make_dflash2_dir, make_smollm_dflash2  # noqa: E402
@@ -161,7 +161,7 @@ def test_the_confidence_head_sets_k_on_torch_as_on_mlx(targets, tmp_path, monkey
     path = make_dspark_dir(tmp_path / "dspark", "deepspec", seed=3)
     ours, theirs = both("dspark", path, targets)
     assert isinstance(theirs.draft_policy(theirs.max_draft, True), ScoredDraftLength)
-    monkeypatch.setattr(ScoredDraftLength, "_time_model", lambda self: (1.0, 1.0, 0.05))
+    monkeypatch.setattr(ScoredDraftLength, "time_line", lambda self: (1.0, 1.0, 0.05))
     mlx_target, twin = targets
     on_mlx = _loop(MLXTarget(mlx_target, capture_layers=ours.capture_layers, speculative=True),
                    ours, adaptive=True, num_draft=ours.max_draft)

@@ -282,7 +282,7 @@ def test_a_tree_budget_is_chosen_by_throughput(target):
     chosen by the committed tokens per second each budget yields instead."""
     from mlxspec.drafters.hybrid import LookupFirstDrafter
     from mlxspec.drafters.lookup import PromptLookupDrafter
-    from mlxspec.engine import AdaptiveDraftLength, TreeBudget
+    from mlxspec.draft_length import AdaptiveDraftLength, TreeBudget
 
     tree = PromptLookupDrafter(branches=3)
     assert isinstance(tree.draft_policy(8, True), TreeBudget)
@@ -298,7 +298,7 @@ def test_a_tree_budget_is_chosen_by_throughput(target):
 
 
 def test_tree_budget_settles_on_the_best_rate_and_keeps_probing_its_neighbours():
-    from mlxspec.engine import TreeBudget
+    from mlxspec.draft_length import TreeBudget
 
     policy = TreeBudget(32, probe_every=4)
     assert policy.budgets == [1, 2, 4, 8, 16, 32]

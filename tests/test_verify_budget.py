@@ -1,12 +1,12 @@
 """The batch's shared pass width (VerifyBudget) and how the loop feeds it, from recorded costs
 and acceptances: no timing, every decision worked out by hand from the cost model
-a + b·positions + d·drafting rows."""
+a + b·positions + d·drafting rows (draft_length.StepCost; a prior and a floor on b are shares of
+a one-position step, a + b)."""
 
 import pytest
 
-from mlxspec.engine import Draft, Drafter, Loop, Row
-from mlxspec.sampling import SamplingConfig
-from mlxspec.verify_budget import VerifyBudget
+from mlxspec.draft_length import VerifyBudget
+from mlxspec.engine import Draft
 
 
 def measured(a: float, b: float, d: float, steps) -> VerifyBudget:
@@ -31,34 +31,39 @@ def test_the_cost_separates_drafting_rows_from_verified_positions():
 
 def test_before_plain_and_drafted_steps_are_both_measured_the_cost_is_a_line():
     """Drafted steps only: a line through positions (no drafting term); one step size: that
-    point and the prior slope (a position costs 10% of the fixed part); nothing: the prior."""
+    point and the prior slope (a position costs 10% of a one-position step, a + b); nothing:
+    the prior, a one-position step of 1 second."""
     drafted_only = measured(0.010, 0.001, 0.004, [(4, 2, 4), (4, 3, 4)])
     a, b, d = drafted_only.cost()
     assert (a, b, d) == pytest.approx((0.026, 0.001, 0.0))
     one_point = VerifyBudget(8)
     one_point.record(10, 0.020)
-    assert one_point.cost() == pytest.approx((0.010, 0.001, 0.0))
-    assert VerifyBudget(8).cost() == (1.0, 0.1, 0.0)
+    one = 0.020 / (1 + 0.1 * 9)  # a + 10 b = 0.020 with b = 0.1 (a + b)
+    assert one_point.cost() == pytest.approx((0.9 * one, 0.1 * one, 0.0))
+    assert VerifyBudget(8).cost() == pytest.approx((0.9, 0.1, 0.0))
 
 
 def test_one_plain_and_one_drafted_size_charge_the_difference_to_drafting():
     """Plain steps of 8 rows (18 ms) and width-2 steps with every row drafting (58 ms): a and
-    b from the plain step and the prior slope (a position 10% of a), d the rest per drafting
-    row, so the modelled width-2 step is the one measured."""
+    b from the plain step and the prior slope (a position 10% of a one-position step, a + b),
+    d the rest per drafting row, so the modelled width-2 step is the one measured."""
     budget = measured(0.010, 0.001, 0.004, [(8, 1, 0), (8, 2, 8)])
     a, b, d = budget.cost()
-    assert (a, b) == pytest.approx((0.018 / 1.8, 0.001))
-    assert d == pytest.approx((0.058 - 0.010 - 0.016) / 8)
+    one = 0.018 / 1.7  # a + 8 b = 18 ms with b = 0.1 (a + b)
+    assert (a, b) == pytest.approx((0.9 * one, 0.1 * one))
+    assert d == pytest.approx((0.058 - a - 16 * b) / 8)
     assert budget.step_seconds(8, 1, 8) == pytest.approx(0.058)
 
 
 def test_timing_noise_never_makes_verifying_free():
-    """A fitted slope of 0 (noise) still charges each position 3% of the fixed part."""
+    """A fitted slope of 0 (noise) still charges each position 3% of a one-position step (the
+    line turns about it: a + b stays what was fitted, 10 ms)."""
     budget = VerifyBudget(8)
     for tokens in (8, 16, 24):
         budget.record(tokens, 0.010, 8 if tokens > 8 else 0)
     a, b, d = budget.cost()
-    assert b == pytest.approx(0.03 * a) and d == pytest.approx(0.0, abs=1e-12)
+    assert a + b == pytest.approx(0.010) and b == pytest.approx(0.03 * (a + b))
+    assert d == pytest.approx(0.0, abs=1e-12)
 
 
 def test_good_drafts_on_cheap_positions_give_wide_passes_within_each_rows_cap():
@@ -88,7 +93,7 @@ def test_rows_whose_free_drafter_found_nothing_count_as_plain_rows():
 
 def test_a_batch_starts_with_a_plain_step_before_its_prior_drafts():
     """Nothing measured: the first step is plain (the baseline every width is weighed
-    against), then the prior (acceptance 0.6, a position 10% of a pass) drafts."""
+    against), then the prior (acceptance 0.6, a position 10% of a one-position step) drafts."""
     budget = VerifyBudget(8)
     assert not budget.plain_ahead([[0.6] * 8] * 8, [8] * 8)
     assert budget.width([[0.6] * 8] * 8, [8] * 8) == 0
@@ -146,34 +151,19 @@ def test_a_rows_acceptance_leans_on_its_drafters_until_it_has_tries_of_its_own()
 # ------------------------------------------------------------------ what the loop records
 
 
-class _Steps:
-    """A pass read: its rows' drafts."""
-
-    def __init__(self, num_drafts):
-        self.num_drafts = num_drafts
-
-
-def _loop_with_rows(n: int) -> Loop:
-    loop = Loop(target=None)
-    loop.rows = [Row(Drafter(), [1], SamplingConfig(), 8, 4) for _ in range(n)]
-    loop.budget = VerifyBudget(4)
-    return loop
-
-
 def test_plain_passes_queued_ahead_are_timed_as_one_chain():
     """A read whose interval held the next pass's launch (queued ahead) waits for the chain to
     end: its passes share the chain's seconds, so one pass timed twice and one timed as nothing
     record their mean."""
-    loop = _loop_with_rows(4)
-    loop.step = _Steps([0, 0, 0, 0])
-    loop._time_step(0.40, chained=True)
-    loop._time_step(0.20, chained=True)
-    assert loop.budget.seconds == {}
-    loop._time_step(0.00, chained=False)
-    assert loop.budget.seconds == {(4, 0): pytest.approx(0.20)}
-    loop.step = _Steps([3, 0, 1, 0])  # drafted: read alone, two rows drafting, width 4
-    loop._time_step(0.50, chained=False)
-    assert loop.budget.seconds[(16, 2)] == pytest.approx(0.50)
+    budget = VerifyBudget(4)
+    budget.time_step(4, [0, 0, 0, 0], 0.40, chained=True)
+    budget.time_step(4, [0, 0, 0, 0], 0.20, chained=True)
+    assert budget.step_cost.seconds == {}
+    budget.time_step(4, [0, 0, 0, 0], 0.00, chained=False)
+    assert budget.step_cost.seconds == {(4, 0): pytest.approx(0.20)}
+    # drafted: read alone, two rows drafting, width 4
+    budget.time_step(4, [3, 0, 1, 0], 0.50, chained=False)
+    assert budget.step_cost.seconds[(16, 2)] == pytest.approx(0.50)
 
 
 def test_draft_prefix_keeps_the_first_drafts_and_their_probabilities():

@@ -20,12 +20,12 @@ is queued. Without the head, DFlash's adaptive K.
 import mlx.core as mx
 
 from ..backends.mlx.target_parts import target_sizes
+from ..draft_length import ConfidenceDraftLength
 from ..engine import EMPTY_DRAFT, Draft
 from ..file_checks import check_safetensors, safetensors_files
 from ..models.dspark import DSparkConfig, DSparkModel
 from ..sampling import SamplingConfig
 from .dflash import DFlashDrafter, DFlashDrafting, load_checked_model, read_checkpoint
-from .match_length import ConfidenceDraftLength
 
 
 class DSparkDrafting(DFlashDrafting):

@@ -9,10 +9,12 @@ model's otherwise: "X+lookup", "X+suffix". The model drafter still sees every ve
 state (a DFlash context, a draft model's cache) is current whenever it is asked again.
 (Snowflake's Arctic Inference likewise combines suffix decoding with a trained speculator.)
 
-Each source keeps its own adaptive-K policy: their acceptance by position and their step costs
-differ (a copy step drafts for nothing), and one policy fitted to both would suit neither.
+Each source keeps its own adaptive-K policy (draft_length.PerSourceDraftLength): their
+acceptance by position and their step costs differ (a copy step drafts for nothing), and one
+policy fitted to both would suit neither.
 """
 
+from ..draft_length import PerSourceDraftLength
 from ..engine import Draft, Drafter, Verdict, requested_drafts
 from ..sampling import SamplingConfig
 from .lookup import PromptLookupDrafter
@@ -98,25 +100,3 @@ class CopyFirstDrafter(Drafter):
 
 
 LookupFirstDrafter = CopyFirstDrafter  # its name from before suffix decoding could copy too
-
-
-class PerSourceDraftLength:
-    """Two adaptive-K policies, one per source; `copies()` says which source drafts next, so
-    each policy chooses K for, and learns from, its own steps only."""
-
-    reads_tokens = True  # which source drafts next depends on the latest committed tokens
-
-    def __init__(self, copies, copier_policy, model_policy):
-        self.copies = copies
-        self.copier, self.model = copier_policy, model_policy  # each source's own (a tree's too)
-        self._current = self.model
-
-    def next_k(self) -> int:
-        self._current = self.copier if self.copies() else self.model
-        return self._current.next_k()
-
-    def cut(self, draft):
-        return self._current.cut(draft)
-
-    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        self._current.update(drafted, accepted, seconds)

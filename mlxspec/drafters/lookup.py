@@ -8,9 +8,9 @@ are proposed together as a tree (shared prefixes merged), verified in one pass. 
 edited) is searched too, after the sequence itself.
 """
 
+from ..draft_length import MAX_MATCH, copier_policy
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..sampling import SamplingConfig
-from .match_length import MAX_MATCH, copier_policy
 
 
 class PromptLookupDrafter(Drafter):

@@ -23,9 +23,9 @@ import heapq
 import itertools
 import struct
 
+from ..draft_length import ScoredDraftLength
 from ..engine import EMPTY_DRAFT, Draft, Drafter, Verdict
 from ..sampling import SamplingConfig
-from .match_length import ScoredDraftLength
 
 
 class _Node:
