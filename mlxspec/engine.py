@@ -16,6 +16,7 @@ from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
 from .draft_length import (AdaptiveDraftLength, DraftLengthPolicy, TreeBudget, VerifyBudget,
                            conditional_from_reach)
+from . import verdict_layout
 from .sampling import SamplingConfig
 from .tree import TreeShape
 
@@ -90,42 +91,39 @@ class Pass:
     the target and the acceptance rule. `verdict()` is its one host sync."""
 
     num_draft: int
-    packed: Any  # device: the drafts, a tree's path (path_slots), the accepted count, next token
+    packed: Any  # device ints laid out as mlxspec.verdict_layout says
     next_token: Any  # device scalar: the pending token of a plain pass queued right after this
     features: Any  # device (num_draft + 1, H * layers), or None
     path_slots: int | None = None  # a tree's: nodes from the root, left-padded with the root
-    # Log-probabilities, if asked for: device floats [each draft's at the row that scores it,
-    # the next token's, then top_n per row of the pass], evaluated with `packed`; the top_n
-    # token ids of each row sit in `packed` after the path (see `verdict`).
+    # Log-probabilities, if asked for: device floats laid out as mlxspec.verdict_layout says,
+    # evaluated with `packed`.
     scores: Any = None
     top_n: int = 0
 
     def verdict(self) -> Verdict:
         host = self.packed.tolist()  # waits for the pass: its one host sync (MLX or torch alike)
-        accepted, drafts = host[-2], host[: self.num_draft]
-        branch, rows = None, slice(0, accepted + 1)
-        if self.path_slots is not None:
-            path = host[self.num_draft : self.num_draft + self.path_slots]
-            branch = path[len(path) - accepted :] if accepted else []
+        row = verdict_layout.read(host, self.num_draft, self.path_slots)
+        branch, rows = None, slice(0, row.accepted + 1)
+        if row.path is not None:
+            branch = row.path[len(row.path) - row.accepted :] if row.accepted else []
             rows = [0] + branch
         features = self.features[rows] if self.features is not None else None
-        verdict = Verdict(draft_tokens=drafts, accepted=accepted, next_token=host[-1],
-                          features=features, branch=branch)
+        verdict = Verdict(draft_tokens=row.drafts, accepted=row.accepted,
+                          next_token=row.next_token, features=features, branch=branch)
         if self.scores is not None:
-            top_ids = host[self.num_draft + (self.path_slots or 0) : -2]
-            self._read_scores(verdict, top_ids)
+            self._read_scores(verdict, row.top_ids)
         return verdict
 
     def _read_scores(self, verdict: Verdict, top_ids: list[int]) -> None:
         """The committed tokens' log-probabilities: committed token j is scored by the row of
         the node before it (0, then the branch's nodes). Evaluated with `packed`: no second wait."""
-        values = self.scores.tolist()
-        k, n = self.num_draft, self.top_n
+        drafts, next_value, top_values = verdict_layout.read_scores(self.scores.tolist(),
+                                                                    self.num_draft)
+        n = self.top_n
         nodes = verdict.branch
         if nodes is None:  # a chain: its accepted drafts, node i scored by row i - 1
             nodes = list(range(1, verdict.accepted + 1))
-        verdict.logprobs = [values[node - 1] for node in nodes] + [values[k]]
-        top_values = values[k + 1 :]
+        verdict.logprobs = [drafts[node - 1] for node in nodes] + [next_value]
         # A token the processing gives probability 0 (-inf) is no candidate: it is left out.
         verdict.top_logprobs = [
             [(top_ids[r * n + i], top_values[r * n + i]) for i in range(n)
@@ -145,7 +143,8 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Target(Protocol):
-    """What the loop needs from a backend's target model."""
+    """One sequence's target on a backend (MLXTarget, the torch target, a split target's rank
+    0): what `OneRow` presents to the loop as a batch of one row (`Rows`)."""
 
     context_length: int | None
 
@@ -174,6 +173,81 @@ class Target(Protocol):
     def rollback_room(self) -> int | None:
         """How many positions a pass may add to the cache and still be cut back exactly (None:
         any number), e.g. what a sliding window holds before it starts to overwrite."""
+        ...
+
+
+class RowPasses(Protocol):
+    """A pass over every row, queued on the device and not yet read."""
+
+    num_drafts: list[int]  # per row, in the rows' order
+
+    def verdicts(self) -> list["Verdict"]:
+        """Every row's verdict (mlxspec.verdict_layout, decoded per row): the step's one wait."""
+        ...
+
+
+class Rows(Protocol):
+    """The rows protocol: what `Loop` drives. A batched target (MLXBatchTarget) implements it
+    for many rows; `OneRow` for one sequence's `Target`. Rows are numbered 0..rows-1 in the
+    order they joined; joining rows are named by tickets until they are ready."""
+
+    context_length: int | None
+    rows: int  # rows held, ready and generating
+
+    def bind(self, drafter: "Drafter") -> None:
+        """A row's drafter, before its row is added; ValueError (one line) where this target
+        cannot verify its drafts (a drafter drafting inside the target's own cache, a model
+        whose recurrent states a row's rollback cannot reach)."""
+        ...
+
+    def add(self, prompts: list[list[int]], starts: list | None = None,
+            kept: list[bool] | None = None) -> list[int]:
+        """Rows start joining (prefilled later, by `fill`): starts[i] an engine.Start (a kept
+        prompt cache holding a prefix of prompts[i]) or None, kept[i] whether row i's caches
+        are copied out when it leaves. Returns a ticket per row."""
+        ...
+
+    def fill(self, budget: int | None = None) -> list[tuple[int, Any]]:
+        """Prefill joining rows by about `budget` tokens (None: to their ends); the rows now
+        ready join at the end, in the order added. Returns (ticket, captured features or
+        None) per ready row."""
+        ...
+
+    def drop(self, ticket: int) -> None:
+        """A joining row leaves before it is ready."""
+        ...
+
+    def remove(self, rows: list[int]) -> None:
+        """These rows leave; the others keep their order, renumbered from 0."""
+        ...
+
+    def row_cache(self, row: int) -> tuple[Any, int | None, Any]:
+        """Row `row`'s caches as one sequence's (to keep), the positions they hold, and its
+        recurrent states at the end of its prompt where recorded."""
+        ...
+
+    def launch(self, pending: "list[int] | RowPasses", drafts: list["Draft"],
+               samplings: list[SamplingConfig], logprobs: list[int | None]) -> RowPasses:
+        """Queue one pass over every row's [pending, drafts] (a queued plain pass: its next
+        tokens, still on the device) and return without waiting for it."""
+        ...
+
+    def settle(self, verdicts: list["Verdict"]) -> None:
+        """Keep what each row committed of the last pass; its rejected drafts leave the
+        caches."""
+        ...
+
+    def trim(self, counts: list[int]) -> None:
+        """Drop the last counts[i] positions row i holds of the last pass (a queued pass's
+        drafts, when the loop stops early)."""
+        ...
+
+    def holds_trees(self) -> bool:
+        """Whether a pass may verify trees (else the loop sends each tree's first chain)."""
+        ...
+
+    def rollback_room(self) -> int | None:
+        """How many positions a pass may write and still roll back (None: any number)."""
         ...
 
 
@@ -406,7 +480,7 @@ class Row:
 
 
 class OneRow:
-    """A one-sequence `Target` as a batch of one row: how a single generation runs through the
+    """A one-sequence `Target` as `Rows` of one row: how a single generation runs through the
     loop (either backend, trees, a split target, LayerSkip), its passes untouched."""
 
     def __init__(self, target: Target):
@@ -439,6 +513,9 @@ class OneRow:
 
     def remove(self, rows: list[int]) -> None:
         self.rows -= len(rows)
+
+    def row_cache(self, row: int):
+        raise ValueError("a one-sequence target keeps its own prompt cache (PromptCache)")
 
     def launch(self, pending, drafts: list[Draft], samplings: list[SamplingConfig],
                logprobs: list[int | None]) -> "Passes":
@@ -488,7 +565,7 @@ class Loop:
     `overlap=False` queues each pass only when the caller asks for more (to measure the host).
     """
 
-    def __init__(self, target, *, overlap: bool = True, prefill_chunk: int = 512):
+    def __init__(self, target: Rows, *, overlap: bool = True, prefill_chunk: int = 512):
         self.target, self.overlap = target, overlap
         # Prompt tokens prefilled between two passes while rows generate: a long prompt joins
         # over several steps instead of stalling every running row for all of its prefill.

@@ -10,14 +10,8 @@ the loop's Python (drafting calls, bookkeeping, statistics, the adaptive K). CPU
 import time
 
 from mlxspec.engine import Draft, Drafter, Pass, PlainDecoding, SpecStats, speculative_tokens
+from mlxspec.verdict_layout import HostInts
 from mlxspec.sampling import SamplingConfig
-
-
-class HostValues(list):
-    """A pass's packed result, already on the host."""
-
-    def tolist(self):
-        return list(self)
 
 
 class NullTarget:
@@ -35,7 +29,7 @@ class NullTarget:
         self.passes += 1
         k = len(draft)
         drafts = list(draft.tokens) if k else []
-        return Pass(num_draft=k, packed=HostValues(drafts + [min(k, self.passes % 3), 5]),
+        return Pass(num_draft=k, packed=HostInts([*drafts, min(k, self.passes % 3), 5]),  # verdict_layout's
                     next_token=None, features=None)
 
     def trim(self, n):

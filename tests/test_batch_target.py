@@ -430,3 +430,15 @@ def test_sampled_rows_draw_from_the_target_distribution():
     pvalue = scipy_stats.chisquare(observed, probs / probs.sum() * sum(observed)).pvalue
     assert max(probs) < 0.6 and min(probs) * sum(observed) >= 5  # a real test of the law
     assert pvalue > 1e-3, (observed, probs)
+
+
+def test_both_row_holders_implement_the_declared_rows_protocol():
+    """engine.Rows is what the loop drives: MLXBatchTarget and OneRow define all of it."""
+    from mlxspec.engine import OneRow, Rows
+
+    methods = {name for name, value in vars(Rows).items()
+               if callable(value) and not name.startswith("_")}
+    assert {"bind", "add", "fill", "drop", "remove", "row_cache", "launch", "settle", "trim",
+            "holds_trees", "rollback_room"} <= methods
+    for holder in (MLXBatchTarget, OneRow):
+        assert all(callable(getattr(holder, name, None)) for name in methods), holder

@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as scipy_stats
 from tiny_models import tiny_llama
 
-import mlxspec.backends.mlx.target as mlx_backend
+import mlxspec.backends.mlx.acceptance as mlx_acceptance
 from mlxspec.backends.mlx.acceptance import accept_sampled
 from mlxspec.drafters import DraftModelDrafter, LookupFirstDrafter, PromptLookupDrafter
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
@@ -130,7 +130,7 @@ def wrong_rule(logits, drafts, draft_probs, sampling):
 @pytest.mark.parametrize("drafter_kind", ["fixed_one_hot", "draft_model"])
 def test_wrong_rule_is_caught(target, draft_model, exact, monkeypatch, drafter_kind):
     drafter = FixedDrafter() if drafter_kind == "fixed_one_hot" else DraftModelDrafter(draft_model)
-    monkeypatch.setattr(mlx_backend, "accept_sampled", wrong_rule)
+    monkeypatch.setattr(mlx_acceptance, "accept_sampled", wrong_rule)
     pvalue = chi_squared_pvalue(sample_counts(target, drafter, SAMPLING), exact)
     assert pvalue < 1e-6, f"the test failed to catch a biased rule (p = {pvalue:.2g})"
 

@@ -7,7 +7,7 @@ form one graph evaluated once per step.
 import mlx.core as mx
 
 from ...sampling import SamplingConfig
-from .sampling import processed_logprobs
+from .sampling import processed_logprobs, sample_token
 
 
 def _leading_true(mask: mx.array) -> mx.array:
@@ -60,3 +60,15 @@ def accept_sampled(
     row = mx.where(mass > 0, row / mx.maximum(mass, 1e-30), q[accepted])
     next_token = mx.random.categorical(mx.log(row))
     return accepted, next_token
+
+
+def accept_chain(logits: mx.array, drafts: mx.array, probs, sampling: SamplingConfig
+                 ) -> tuple[mx.array, mx.array]:
+    """logits (K+1, V) of [pending, K drafts] -> (accepted count, next token) under `sampling`:
+    no drafts, the next token sampled; greedy, accept_greedy; else accept_sampled with the
+    drafts' distributions `probs` (None: one-hot)."""
+    if drafts.size == 0:
+        return mx.array(0), sample_token(logits[-1], sampling)
+    if sampling.greedy:
+        return accept_greedy(logits, drafts)
+    return accept_sampled(logits, drafts, probs, sampling)

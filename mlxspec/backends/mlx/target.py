@@ -5,12 +5,13 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
+from ... import verdict_layout
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
 from ...rollback import is_recurrent, recurrent_layers, restore, snapshot, trim_attention
 from ...sampling import SamplingConfig
 from ...tree import TreeShape
-from .acceptance import accept_greedy, accept_sampled
+from .acceptance import accept_chain
 from .early_exit import late_forward
 from .hidden_states import (capture_layer_outputs, concat_features, decoder_layers, record_inputs,
                             replay)
@@ -328,12 +329,7 @@ class MLXTarget:
     def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
                       logprobs: int | None = None) -> Pass:
         logits, features = self._chain_forward(inputs, drafts.size, draft.early_exit)
-        if drafts.size == 0:
-            accepted, next_token = mx.array(0), sample_token(logits[-1], sampling)
-        elif sampling.greedy:
-            accepted, next_token = accept_greedy(logits, drafts)
-        else:
-            accepted, next_token = accept_sampled(logits, drafts, draft.probs, sampling)
+        accepted, next_token = accept_chain(logits, drafts, draft.probs, sampling)
         scores = None if logprobs is None else committed_scores(
             logits, drafts, mx.arange(drafts.size), accepted, next_token, sampling, logprobs)
         return self._queue(drafts, None, accepted, next_token, features, scores)
@@ -361,13 +357,13 @@ class MLXTarget:
 
     @staticmethod
     def _queue(drafts, path, accepted, next_token, features, scores=None) -> Pass:
-        """The pass's packed array, as Pass.verdict() reads it: drafts, path, the top ids of
-        `scores` (ids, values, n) if any, accepted count, next token."""
+        """The pass's ints and floats (`scores`: top ids, values, n) as mlxspec.verdict_layout
+        lays them out, queued."""
         next_token = next_token.astype(mx.int32)
-        parts = [drafts] + ([path.astype(mx.int32)] if path is not None else [])
         top_ids, values, top_n = scores if scores is not None else (None, None, 0)
-        parts += [top_ids] if scores is not None else []
-        packed = mx.concatenate(parts + [accepted.astype(mx.int32)[None], next_token[None]])
+        packed = mx.concatenate(verdict_layout.int_parts(
+            drafts, None if path is None else path.astype(mx.int32), top_ids,
+            accepted.astype(mx.int32)[None], next_token[None]))
         mx.async_eval(packed, *[a for a in (features, values) if a is not None])
         return Pass(num_draft=drafts.size, packed=packed, next_token=next_token,
                     features=features, path_slots=None if path is None else path.size,

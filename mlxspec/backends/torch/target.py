@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from ... import verdict_layout
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
 from ...sampling import SamplingConfig
@@ -384,13 +385,12 @@ class TorchTarget:
 
     @staticmethod
     def _queue(drafts, path, accepted, next_token, features, scores=None) -> Pass:
-        """The pass's one packed tensor, laid out as Pass.verdict() reads it (the top ids of
-        `scores` (ids, values, n) after the path); their values travel beside it."""
+        """The pass's ints and floats (`scores`: top ids, values, n) as mlxspec.verdict_layout
+        lays them out; the floats travel beside the ints."""
         next_token = next_token.reshape(()).to(torch.long)
-        parts = [drafts] + ([path] if path is not None else [])
         top_ids, values, top_n = scores if scores is not None else (None, None, 0)
-        parts += [top_ids] if scores is not None else []
-        packed = torch.cat(parts + [accepted.reshape(1), next_token.reshape(1)])
+        packed = torch.cat(verdict_layout.int_parts(drafts, path, top_ids, accepted.reshape(1),
+                                                    next_token.reshape(1)))
         return Pass(num_draft=int(drafts.shape[0]), packed=packed, next_token=next_token,
                     features=features, path_slots=None if path is None else int(path.shape[0]),
                     scores=values, top_n=top_n)
