@@ -28,6 +28,13 @@ def is_recurrent(cache) -> bool:
         is_recurrent(m) or _cuts_back(m) for m in members)
 
 
+def leaves(cache) -> list:
+    """A layer's caches: itself, or a CacheList's members, each in turn its leaves."""
+    if isinstance(cache, CacheList):
+        return [leaf for m in cache.caches for leaf in leaves(m)]
+    return [cache]
+
+
 def _cuts_back(cache) -> bool:
     """A per-position cache that a rollback of the last pass can cut: one with no window mlx-lm
     rotates (KVCache, QuantizedKVCache), or a WindowKVCache (it keeps what that needs)."""

@@ -11,6 +11,10 @@ mlx-lm's own classes:
   rotates is still refused, by name).
 - gpt_bigcode reads its cache's offset as one number for its learned positions: in a batch each
   row gets its own, for each call (mlxspec.backends.mlx.batch_adapters).
+- CacheList layers batch (falcon_h1, baichuan_m1, deepseek_v32, longcat_flash): each member is
+  held and rolled back per row as its kind is at top level; baichuan_m1's state (its
+  attention's last position's) is taken at each row's own last position. What cannot be held
+  exactly is refused in one line saying why.
 """
 
 import random
@@ -97,6 +101,11 @@ def tiny(name: str, seed: int = 0, sharpness: float = 4.0, **over):
 
         embedding = input_embedding(model)
         embedding.weight = embedding.weight * sharpness
+    if name == "baichuan_m1":  # its convolutions are built as zeros: its state would go unread
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            attention.conv_k, attention.conv_v = (mx.random.normal(a.shape) * 0.7
+                                                  for a in (attention.conv_k, attention.conv_v))
     mx.eval(model.parameters())
     return model
 
@@ -262,13 +271,23 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [3, 4, 3, 4, 3, 4, 3],
            [10, 11, 12, 13] * 4 + [10, 11], [20]]
 
 
-@pytest.mark.parametrize("name", ["gpt_bigcode", "jamba", "mamba", "plamo2"])
+# Batches of CacheList layers: a Mamba state beside keys and values (falcon_h1), a last
+# position's projections beside keys and values or a sliding window (baichuan_m1, its layer 0
+# windowed), an indexer's keys beside the attention's (deepseek_v32), two attentions' keys
+# (longcat_flash).
+CACHE_LISTS = {"falcon_h1": {}, "baichuan_m1": dict(sliding_window_layers=[0], sliding_window=4),
+               "deepseek_v32": {}, "longcat_flash": {}}
+
+
+@pytest.mark.parametrize("name", ["gpt_bigcode", "jamba", "mamba", "plamo2", *CACHE_LISTS])
 @pytest.mark.parametrize("drafter", [None, "lookup"])
 def test_batch_rows_equal_each_alone(name, drafter, tokenizer):
     """Prompts of different lengths (a right-padded prefill, ragged passes): each row's output
     is its prompt's alone. gpt_bigcode's rows need their own learned positions; Jamba's and
-    Mamba's mixers stop each row at its own length in the prefill and the rollback."""
-    model = tiny(name)
+    Mamba's mixers stop each row at its own length in the prefill and the rollback; a
+    CacheList's members are rolled back each as its kind is (baichuan_m1's state: each row's
+    last kept position's)."""
+    model = tiny(name, **CACHE_LISTS.get(name, {}))
     batch = mlxspec.batch_generate(model, tokenizer, PROMPTS, 16, drafter=drafter)
     for prompt, row in zip(PROMPTS, batch.token_ids):
         alone, _ = final(model, tokenizer, prompt, None, 16)
@@ -277,14 +296,14 @@ def test_batch_rows_equal_each_alone(name, drafter, tokenizer):
         assert sum(s.drafted for s in batch.stats) > 0
 
 
-@pytest.mark.parametrize("name", ["jamba", "gpt_bigcode"])
+@pytest.mark.parametrize("name", ["jamba", "gpt_bigcode", *CACHE_LISTS])
 def test_batch_rollback_leaves_each_row_as_a_fresh_prefill(name):
     """Random spoiled drafts on rows at different lengths: each verdict is the single path's,
     and each row's caches end as a fresh prefill of what it committed."""
     model = tiny(name)
     rnd = random.Random(0)
     prompts = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (5, 11, 1)]
-    batch = MLXBatchTarget(model)
+    batch = MLXBatchTarget(model, prefill_step_size=4)  # chunks where a row has no tokens left
     tickets = batch.add(prompts)
     while batch.joining:
         batch.fill()
@@ -334,3 +353,101 @@ def test_row_positions_are_per_row_for_one_call_only():
     assert model.transformer.wpe is wpe
     with rows_at_their_positions(tiny("jamba"), cache) as seen:
         assert seen is cache
+
+def _windows_forgot(cache) -> bool:
+    from mlxspec.backends.mlx.window_cache import WindowKVCache
+    from mlxspec.rollback import leaves
+
+    return any(isinstance(c, WindowKVCache) and c.start > 0
+               for layer in cache for c in leaves(layer))
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "baichuan_m1"])
+def test_a_batch_row_continues_a_kept_cache_of_cache_lists(name):
+    """Kept prompt caches whose layers are CacheLists (falcon_h1's Mamba state beside keys and
+    values; baichuan_m1's state beside a window that has forgotten positions) start rows of a
+    batch beside a fresh row: each verdict is a lone target's, the kept caches are left as
+    they were, and each row comes back out as one sequence's CacheLists."""
+    model = tiny(name, **CACHE_LISTS[name])
+    rnd = random.Random(1)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (30, 9, 6)]
+    kept = [MLXTarget(model, prefill_step_size=4) for _ in range(2)]
+    kept[0].prefill(prompts[0][:28])  # 27 positions: baichuan's window forgot some
+    kept[1].prefill(prompts[1][:4])
+    if name == "baichuan_m1":
+        assert _windows_forgot(kept[0].cache)
+    before = [[mx.array(a) for c in k.cache for a in layer_arrays(c)] for k in kept]
+    batch = MLXBatchTarget(model)
+    tickets = batch.add(prompts, [(kept[0].cache, 27), (kept[1].cache, 3), None])
+    order = []
+    while batch.joining:
+        order += [t for t, _ in batch.fill(4)]
+    rows = [prompts[tickets.index(t)] for t in order]
+    singles = [MLXTarget(model, speculative=True) for _ in rows]
+    tokens = [list(p) for p in rows]
+    for single, prompt in zip(singles, rows):
+        single.prefill(prompt)
+    for step in range(5):
+        drafts = [Draft(tokens=[rnd.randrange(VOCAB) for _ in range(rnd.choice([0, 2, 3]))])
+                  for _ in rows]
+        verdicts = batch.launch([t[-1] for t in tokens], drafts, [GREEDY] * 3).verdicts()
+        for single, t, d, v in zip(singles, tokens, drafts, verdicts):
+            ref = single.launch(t[-1], d, GREEDY).verdict()
+            assert (v.accepted, v.next_token) == (ref.accepted, ref.next_token), step
+            single.settle(ref)
+            t += v.committed
+        batch.settle(verdicts)
+    for k, was in zip(kept, before):
+        now = [a for c in k.cache for a in layer_arrays(c)]
+        assert all(mx.array_equal(a, b).item() for a, b in zip(was, now, strict=True))
+    for row, single in enumerate(singles):
+        caches, held, _ = batch.row_cache(row)
+        assert held is None  # every layer a CacheList: none counts positions at top level
+        for got, want in zip(caches, single.cache, strict=True):
+            assert isinstance(got, CacheList)
+            assert [type(c) for c in got.caches] == [type(c) for c in want.caches]
+    longest = batch.row_cache(order.index(tickets[0]))[0]
+    assert _windows_forgot(longest) == (name == "baichuan_m1")
+
+
+def test_a_kept_row_records_its_cache_lists_states_at_the_end_of_its_prompt():
+    """falcon_h1 capturing features: a row added as kept records the Mamba states of its
+    CacheLists at the end of its prompt, as a lone prefill leaves them."""
+    model = tiny("falcon_h1")
+    prompts = [[5, 3, 9, 1, 7, 2], [8, 4, 6, 2, 1]]
+    batch = MLXBatchTarget(model, capture_layers=(0, 1))
+    tickets = batch.add(prompts, kept=[False, True])
+    order = []
+    while batch.joining:
+        order += [ticket for ticket, _ in batch.fill(3)]
+    lone = MLXTarget(model, capture_layers=(0, 1))
+    lone.prefill(prompts[1])
+    got = batch.row_cache(order.index(tickets[1]))[2]
+    assert len(got) == len(lone.prompt_state) == 2
+    for row_states, lone_states in zip(got, lone.prompt_state):
+        for g, w in zip(row_states, lone_states, strict=True):
+            assert mx.allclose(g, w, atol=1e-4).item()
+
+
+def test_batches_refuse_what_cannot_be_cut_back_per_row_saying_why():
+    """llama4 (one chunk mask for every row, built from Python ints), deepseek_v41 (one int
+    position, a cache that evicts as it writes), longcat_flash_ngram (a token context cut at
+    the pass's last columns) and minimax_m3_vl's sparse attention (key blocks cut by cache
+    slot) are refused in one line each, naming the cause."""
+    import copy
+    import importlib
+
+    from architectures import CONFIGS as ALL, build
+
+    sparse = copy.deepcopy(ALL["minimax_m3_vl"])
+    sparse["text_config"].update(index_n_heads=2, index_head_dim=8, index_block_size=4,
+                                 index_topk_blocks=2)
+    module = importlib.import_module("mlx_lm.models.minimax_m3_vl")
+    for model, cause in ((tiny("llama4"), "cache[0].start_position and cache[0].offset"),
+                         (build("deepseek_v41"), "LayerCache evicts window rows"),
+                         (build("longcat_flash_ngram"), "n-gram context"),
+                         (module.Model(module.ModelArgs.from_dict(sparse)), "by cache slot")):
+        with pytest.raises(ValueError) as err:
+            MLXBatchTarget(model)
+        message = str(err.value)
+        assert cause in message and "\n" not in message

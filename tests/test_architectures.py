@@ -29,9 +29,7 @@ FAST = ["llama", "gemma3_text", "gpt_oss", "qwen3_next", "nemotron_h", "jamba", 
         "afm7", "gpt_bigcode", "gemma3n", "mixtral"]
 # Batches refused in one line, and the words that say why.
 BATCH_REFUSED = {
-    "baichuan_m1": "CacheList", "deepseek_v32": "CacheList", "glm_moe_dsa": "CacheList",
-    "longcat_flash": "CacheList", "longcat_flash_ngram": "CacheList",
-    "minimax_m3_vl": "CacheList", "falcon_h1": "CacheList", "llama4": "ChunkedKVCache",
+    "longcat_flash_ngram": "n-gram context", "llama4": "ChunkedKVCache",
     "deepseek_v41": "LayerCache",
     # recurrent layers whose mixers mlxspec does not know: plain rows batch, drafting rows not
     "gear": "mixers", "kimi_linear": "mixers", "kimi_k3": "mixers", "bailing_hybrid": "mixers",

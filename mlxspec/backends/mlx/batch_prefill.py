@@ -11,10 +11,13 @@ caches for the running batch.
 """
 
 import copy
+from contextlib import contextmanager
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
-from .hidden_states import capture_layer_outputs, concat_features, rows_to_their_lengths
+from .hidden_states import (capture_layer_outputs, concat_features, decoder_layers,
+                            instance_attributes, rows_to_their_lengths)
 from .batch_adapters import rows_at_their_positions
 from .target import state_mixers
 
@@ -32,6 +35,7 @@ class JoiningRows:
         # Recurrent mixers, so that those taking no mask (Jamba's, Mamba's) stop each row of a
         # right-padded chunk at its length too (hidden_states.rows_to_their_lengths).
         self.mixers = state_mixers(model)
+        self.last_position = last_position_mixers(model)
 
     def __len__(self) -> int:
         return len(self.tickets)
@@ -44,9 +48,8 @@ class JoiningRows:
         sliding window's), which its RoPE positions count."""
         cache = [type(cs[0]).merge(list(cs)) for cs in zip(*starts)]
         for layer, c in enumerate(cache):
-            shift = [row[layer] for row in forgotten or []]
-            if any(shift):
-                c.offset = c.offset + mx.array(shift)
+            if forgotten:
+                _shift(c, [row[layer] for row in forgotten])
         if self.cache is None:
             self.cache = cache
         else:
@@ -81,6 +84,7 @@ class JoiningRows:
                           dtype=mx.int32)
         with (capture_layer_outputs(self.model, self.capture_layers) as hidden,
               rows_to_their_lengths(self.mixers if max(padding) else []),
+              rows_stop_at_their_lengths(self.last_position if max(padding) else []),
               rows_at_their_positions(self.model, self.cache) as cache):
             self.model(tokens, cache=cache)
         features = concat_features(hidden) if hidden else None
@@ -101,7 +105,7 @@ class JoiningRows:
         done = mx.array(ready, dtype=mx.int32)
         cache = []
         for c in self.cache:  # filter() rebinds its arrays: a shallow copy leaves c whole
-            part = copy.copy(c)
+            part = _shallow_copy(c)
             part.filter(done)
             part.finalize()  # an ArraysCache merged from fresh ones still holds padding
             cache.append(part)
@@ -127,6 +131,24 @@ class JoiningRows:
         self._keep([j for j in range(len(self.tickets)) if j != i])
 
 
+def _shift(cache, forgotten: list) -> None:
+    """Count forgotten[i] more positions before what row i of a layer's batch cache holds (a
+    sliding window's): its RoPE positions. For a CacheList, forgotten[i] holds its members'."""
+    if isinstance(cache, CacheList):
+        for k, c in enumerate(cache.caches):
+            _shift(c, [row[k] for row in forgotten])
+    elif any(forgotten):
+        cache.offset = cache.offset + mx.array(forgotten)
+
+
+def _shallow_copy(cache):
+    """A layer's batch cache whose filter() leaves `cache` whole (a CacheList's members each
+    copied: filter() rebinds their arrays)."""
+    if isinstance(cache, CacheList):
+        return CacheList(*(_shallow_copy(c) for c in cache.caches))
+    return copy.copy(cache)
+
+
 def keep_rows(cache: list, keep: list[int]) -> list | None:
     """Batch caches (one per layer) filtered in place to the rows `keep`, in that order; None
     when no row stays."""
@@ -136,3 +158,75 @@ def keep_rows(cache: list, keep: list[int]) -> list | None:
     for c in cache:
         c.filter(index)
     return cache
+
+
+# Mixers whose recurrent state is what they compute at their input's last position, by model
+# module: the decoder layer's attribute holding one. baichuan_m1's attention keeps its last
+# position's key and value projections (its convolution's window of one) in the ArraysCache
+# beside its keys and values, CacheList(ArraysCache, KVCache or window), whatever a batch's
+# padding or its rows' lengths: each row's state is put back to what the module computes at
+# the row's own last position (stop_at_last_position).
+_LAST_POSITION = {"mlx_lm.models.baichuan_m1": "self_attn"}
+
+
+def last_position_mixers(model) -> list[tuple[object, str]]:
+    """(decoder layer, attribute) of each mixer whose state is its last position's."""
+    name = _LAST_POSITION.get(type(model).__module__)
+    if name is None:
+        return []
+    return [(layer, name) for layer in decoder_layers(model) if name in layer]
+
+
+def stop_at_last_position(module, x: mx.array, cache: CacheList, lengths: list[int],
+                          before: list | None = None) -> None:
+    """Put each row of the states in `cache` (a CacheList that `module`, a last-position mixer,
+    updated on x (B, L, ...)) to what the module leaves after the row's first lengths[i]
+    inputs: the module run again on that row's input at lengths[i] - 1 alone, into scratch
+    caches (its keys and values go nowhere, its output is never read); a row of length 0 keeps
+    `before`, the states before the call (per state member, its arrays; None arrays: zeros,
+    as the module reads a missing state)."""
+    at = mx.array([max(n - 1, 0) for n in lengths], dtype=mx.int32)
+    last = mx.take_along_axis(x, at.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
+    scratch = CacheList(*(ArraysCache(len(m.cache)) if isinstance(m, ArraysCache) else KVCache()
+                          for m in cache.caches))
+    module(last, None, scratch)
+    states = [(m, s) for m, s in zip(cache.caches, scratch.caches) if isinstance(m, ArraysCache)]
+    idle = [n == 0 for n in lengths]  # rows given no input: their states stay
+    for k, (state, new) in enumerate(states):
+        if before is None or not any(idle):
+            state.cache = list(new.cache)
+            continue
+        stay = mx.array(idle)
+        state.cache = [mx.where(stay.reshape((-1,) + (1,) * (n.ndim - 1)),
+                                mx.zeros_like(n) if old is None else old, n)
+                       for old, n in zip(before[k], new.cache)]
+
+
+class _LastPosition:
+    """A last-position mixer, during a right-padded batch pass whose caches were `prepare`d
+    with each row's length (a batch's prefill): each row's state ends at its own length."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, x, mask=None, cache=None):
+        states = [m for m in getattr(cache, "caches", ()) if isinstance(m, ArraysCache)]
+        lengths = states[0].lengths if states else None
+        if lengths is None:
+            return self.module(x, mask, cache)
+        before = [list(s.cache) for s in states]
+        out = self.module(x, mask, cache)
+        stop_at_last_position(self.module, x, cache, lengths.tolist(), before)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+@contextmanager
+def rows_stop_at_their_lengths(modules: list[tuple[object, str]]):
+    """For one batch pass: the last-position mixers named by (owner, attribute name) leave
+    each row's state at its own length (see _LastPosition)."""
+    with instance_attributes([(owner, name, _LastPosition(getattr(owner, name)))
+                              for owner, name in modules]):
+        yield

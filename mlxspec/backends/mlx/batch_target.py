@@ -12,7 +12,14 @@ BatchKVCache with an end per row) moves row i's end back by drop_i, nothing copi
 next pass writes each row after its own end. A recurrent layer takes each row's state after its
 last kept position: from the state tape where the recurrence runs position by position anyway
 (the CPU), else by re-running the layer on the pass's recorded input from the state before it
-with `ArraysCache.prepare(lengths=keep)`, which stops each row's state at its own length.
+with `ArraysCache.prepare(lengths=keep)`, which stops each row's state at its own length
+(baichuan_m1's state, its attention's last position's projections: that module run again on
+each row's last kept input alone, batch_prefill.stop_at_last_position).
+
+A layer's CacheList (falcon_h1's Mamba state beside keys and values, an indexer's keys beside
+the attention's) holds each member as the batch holds that kind at top level, and its members
+roll back each as their kind does. Models that no batch can hold exactly are refused in one line
+(batch_refusal): llama4, deepseek_v41, minimax_m3_vl's sparse attention, longcat_flash_ngram.
 
 Rows sample from the global MLX random stream, in row order: there are no per-row seeds.
 """
@@ -25,16 +32,19 @@ import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
+    CacheList,
     KVCache,
     QuantizedKVCache,
     make_prompt_cache,
 )
 
+from ... import verdict_layout
 from ...engine import Draft, Pass, Start, Verdict
-from ...rollback import is_recurrent, restore, snapshot
+from ...verdict_layout import HostInts
+from ...rollback import is_recurrent, leaves, recurrent_layers, restore, snapshot
 from ...sampling import SamplingConfig
-from .acceptance import accept_greedy, accept_sampled
-from .batch_prefill import JoiningRows, keep_rows
+from .acceptance import accept_chain
+from .batch_prefill import JoiningRows, keep_rows, last_position_mixers, stop_at_last_position
 from .hidden_states import (capture_layer_outputs, concat_features, record_inputs, replay,
                             run_rows, stops_rows)
 from .padding_probe import padding_refusal
@@ -52,14 +62,6 @@ from .target import (
 )
 
 
-class _Host(list):
-    """Host values already read, handed to engine.Pass.verdict in place of the device array it
-    reads, so a row's verdict is decoded exactly as a single pass's is."""
-
-    def tolist(self):
-        return list(self)
-
-
 @dataclass
 class BatchPass:
     """One batched pass queued on the device and not yet read. `verdicts()` is its one wait."""
@@ -67,8 +69,8 @@ class BatchPass:
     num_drafts: list[int]
     next_tokens: mx.array  # (rows,) int32, device: the pending tokens of a plain pass after it
     logits: mx.array  # (rows, S, V): row i's verify logits are [i, : num_drafts[i] + 1]
-    packed: mx.array  # per row: drafts, top ids (if scored), accepted count, next token
-    scores: mx.array | None  # per row's scored floats, as Pass.scores, concatenated
+    packed: mx.array  # every row's ints (mlxspec.verdict_layout), one row after another
+    scores: mx.array | None  # every scored row's floats (verdict_layout), one after another
     features: list | None  # per row (K_i + 1, H * layers), or None
     top_n: list[int]  # per row: how many top logprobs it scores; -1 where none were asked
     layout: int  # the batch's row layout it ran on (see MLXBatchTarget._layout)
@@ -77,14 +79,14 @@ class BatchPass:
         ints = self.packed.tolist()  # waits for the pass: its one host sync
         floats = self.scores.tolist() if self.scores is not None else None  # evaluated with it
         verdicts, at, fat = [], 0, 0
-        for i, k in enumerate(self.num_drafts):
+        for i, k in enumerate(self.num_drafts):  # each row's part, decoded as a lone pass's
             n = self.top_n[i]
-            width = k + max(n, 0) * (k + 1) + 2
+            width = verdict_layout.int_width(k, None, max(n, 0))
             row_scores = None
             if floats is not None and n >= 0:
-                row_scores = _Host(floats[fat : fat + k + 1 + n * (k + 1)])
+                row_scores = HostInts(floats[fat : fat + verdict_layout.float_width(k, n)])
                 fat += len(row_scores)
-            row = Pass(num_draft=k, packed=_Host(ints[at : at + width]), next_token=None,
+            row = Pass(num_draft=k, packed=HostInts(ints[at : at + width]), next_token=None,
                        features=None if self.features is None else self.features[i],
                        scores=row_scores, top_n=max(n, 0))
             verdicts.append(row.verdict())
@@ -107,22 +109,24 @@ class MLXBatchTarget:
         self.context_length = context_length(model)
         self.capture_layers = tuple(capture_layers)
         probe = make_cache(model)
-        bad = sorted({type(c).__name__ for c in probe if type(c) not in (KVCache, WindowKVCache)
-                      and not isinstance(c, ArraysCache)})
-        if bad:
-            raise ValueError(
-                f"batched verification rolls back KV caches, sliding windows and recurrent "
-                f"states only; this model uses {', '.join(bad)}, which mlxspec cannot yet cut "
-                f"back per row exactly")
-        # Per layer: its sliding window (None: full attention or a recurrent state). Joining
-        # rows prefill such a layer in a plain batch cache, masked to the window; the running
-        # batch holds it as a RaggedKVCache with that window.
-        self._windows = [c.window if isinstance(c, WindowKVCache) else None for c in probe]
+        refusal = batch_refusal(model, probe)
+        if refusal is not None:
+            raise ValueError(refusal)
+        # Per layer: its sliding window (None: full attention or a recurrent state; a tuple of
+        # its members' for a CacheList). Joining rows prefill such a layer in a plain batch
+        # cache, masked to the window; the running batch holds it as a RaggedKVCache with that
+        # window.
+        self._windows = [_windows(c) for c in probe]
         if any(type(m).__name__ == "DynamicNTKScalingRoPE" for _, m in model.named_modules()):
             raise ValueError("dynamic NTK RoPE reads its position as one Python int, so rows "
                              "at different positions cannot share a pass")
         self._has_recurrent = any(is_recurrent(c) for c in probe)
-        self._mixers = state_mixers(model) if self._has_recurrent else []
+        # The modules that update recurrent states, whose calls a rollback runs again: those
+        # mlxspec knows (state_mixers), and those whose state is their last position's
+        # (baichuan_m1's attention: batch_prefill.last_position_mixers).
+        last_position = last_position_mixers(model) if self._has_recurrent else []
+        self._mixers = (state_mixers(model) if self._has_recurrent else []) + last_position
+        self._last_position = {id(getattr(layer, name)) for layer, name in last_position}
         self._taped = [] if fused_kernel_would_run() else tape_modules(
             [getattr(layer, name) for layer, name in self._mixers])
         self.cache = None  # mlx-lm batch caches, one per layer; None while no row is held
@@ -221,19 +225,8 @@ class MLXBatchTarget:
         the batch's mask keeps to the window."""
         if kept is None:
             kept = make_prompt_cache(self.model)
-        caches, forgotten = [], []
-        for c, window in zip(kept, self._windows):
-            if window is None:
-                caches.append(c)
-                forgotten.append(0)
-                continue
-            plain = KVCache()
-            if isinstance(c, WindowKVCache) and c.keys is not None and c.held:
-                plain.keys, plain.values = (a[..., : c.held, :] for a in (c.keys, c.values))
-                plain.offset = c.held
-            caches.append(plain)
-            forgotten.append(c.start if isinstance(c, WindowKVCache) else 0)
-        return caches, forgotten
+        joining = [_joining(c, window) for c, window in zip(kept, self._windows)]
+        return [c for c, _ in joining], [forgotten for _, forgotten in joining]
 
     def _prefill_alone(self, body: list[int], start: Start) -> tuple[list, object]:
         """A row continuing a kept quantized cache (kv_bits) prefills the rest of its prompt by
@@ -250,9 +243,7 @@ class MLXBatchTarget:
             if hidden:
                 features.append(concat_features(hidden)[0])
             mx.eval([c.state for c in caches] + features[-1:])
-        rows = [RaggedQuantizedKVCache.from_single(c) if isinstance(c, QuantizedKVCache)
-                else RaggedKVCache.from_window(c) if isinstance(c, WindowKVCache)
-                else type(c).merge([c]) for c in caches]
+        rows = [_batch_row(c) for c in caches]
         if not self.capture_layers:
             return rows, None
         return rows, (mx.concatenate(features, axis=0) if features
@@ -270,8 +261,7 @@ class MLXBatchTarget:
         None) per ready row, in that order."""
         tickets, cache, features = self._joining.step(budget)
         if tickets:
-            cache = [self._ragged(c, window) if isinstance(c, BatchKVCache) else c
-                     for c, window in zip(cache, self._windows)]
+            cache = [self._running(c, window) for c, window in zip(cache, self._windows)]
         for ticket, rows, row_features in self._prefilled:  # ready since they were added
             if not tickets:
                 tickets, cache, features = [], rows, [] if self.capture_layers else None
@@ -297,10 +287,16 @@ class MLXBatchTarget:
         self._last = None
         return list(zip(tickets, features or [None] * len(tickets)))
 
-    def _ragged(self, cache: BatchKVCache, window: int | None = None) -> RaggedKVCache:
-        """A prefilled row's attention cache as the running batch holds it (a sliding window's
-        unquantized, as one sequence's)."""
-        if self.kv_quantization is None or window is not None:
+    def _running(self, cache, window, member: bool = False):
+        """A prefilled layer's cache as the running batch holds it: an attention cache as a
+        RaggedKVCache (`window`: its sliding window), quantized with kv_bits as one sequence's
+        is (a full-attention layer's, not a sliding window's nor a CacheList member's); a
+        CacheList's members each so (`window`: theirs); a recurrent state as it is."""
+        if isinstance(cache, CacheList):
+            return CacheList(*(self._running(c, w, True) for c, w in zip(cache.caches, window)))
+        if not isinstance(cache, BatchKVCache):
+            return cache
+        if self.kv_quantization is None or window is not None or member:
             return RaggedKVCache.from_batch(cache, window)
         group_size, bits = self.kv_quantization
         return RaggedQuantizedKVCache.from_batch(cache, group_size, bits)
@@ -308,7 +304,7 @@ class MLXBatchTarget:
     def _states_at_prompt_end(self, cache: list, tickets: list[int]) -> list:
         if not (self.capture_layers and self._has_recurrent):
             return [None] * len(tickets)
-        states = [[list(c.extract(i).cache) for c in cache if is_recurrent(c)]
+        states = [[list(c.extract(i).cache) for c in recurrent_layers(cache)]
                   if ticket in self._keeping else None for i, ticket in enumerate(tickets)]
         mx.eval(states)
         return states
@@ -389,20 +385,15 @@ class MLXBatchTarget:
         packed, scores, next_tokens, row_features, top_n = [], [], [], [], []
         for i, (t, k, d, s, n) in enumerate(zip(tokens, ks, drafts, samplings, logprobs)):
             row = logits[i, : k + 1]
-            if k == 0:
-                accepted, nxt = mx.array(0), sample_token(row[-1], s)
-            elif s.greedy:
-                accepted, nxt = accept_greedy(row, t)
-            else:
-                accepted, nxt = accept_sampled(row, t, d.probs, s)
+            accepted, nxt = accept_chain(row, t, d.probs, s)
             nxt = nxt.astype(mx.int32)
-            ids = []
+            top_ids = None
             if n is not None:
                 top_ids, values, n = committed_scores(row, t, mx.arange(k), accepted, nxt, s, n)
-                ids = [top_ids]
                 scores.append(values)
             top_n.append(-1 if n is None else n)
-            packed += [t] + ids + [accepted.astype(mx.int32)[None], nxt[None]]
+            packed += verdict_layout.int_parts(t, None, top_ids, accepted.astype(mx.int32)[None],
+                                               nxt[None])
             next_tokens.append(nxt)
             if features is not None:
                 row_features.append(features[i, : k + 1])
@@ -441,8 +432,7 @@ class MLXBatchTarget:
         if not any(drop):
             return
         for c in self.cache:
-            if not is_recurrent(c):
-                c.drop(drop)
+            _drop(c, drop)
         self._roll_back_states(keeps)
         last["written"], last["held"] = list(keeps), list(keeps)
 
@@ -452,13 +442,18 @@ class MLXBatchTarget:
         if last["states"] is None:  # no recurrent layer, or a pass without drafts
             return
         recurrent = {id(c) for c in self._recurrent()}
-        replays = [(m, x, c) for m, x, c in last["calls"] if id(c) in recurrent]
-        if sorted(id(c) for _, _, c in replays) != sorted(recurrent):
+        # Each recorded call's states: its cache's (a CacheList's ArraysCache members).
+        replays = [(m, x, c) for m, x, c in last["calls"]
+                   if any(id(s) in recurrent for s in recurrent_layers([c]))]
+        if sorted(id(s) for _, _, c in replays for s in recurrent_layers([c])) != \
+                sorted(recurrent):
             raise ValueError("a recurrent layer of an unknown kind: cannot roll back its state")
         keep = mx.array(keeps, dtype=mx.int32)
         restore(self._recurrent(), last["states"])
         for module, x, c in replays:
-            if id(module) in last["tape"]:
+            if id(module) in self._last_position:  # each row's state: its last kept position's
+                stop_at_last_position(module, x, c, keeps)
+            elif id(module) in last["tape"]:
                 _select_rows(c, *last["tape"][id(module)], keep)
             elif stops_rows(module):  # re-run the layer from the state before the pass,
                 c.prepare(lengths=keeps)  # each row stopped at its length by mask and lengths
@@ -468,7 +463,8 @@ class MLXBatchTarget:
                 run_rows(module, x, c, keeps)
 
     def _recurrent(self) -> list:
-        return [c for c in self.cache if is_recurrent(c)]
+        """The recurrent states the batch holds, a CacheList's members too."""
+        return recurrent_layers(self.cache)
 
     def holds_trees(self) -> bool:
         return False
@@ -477,6 +473,96 @@ class MLXBatchTarget:
         """Every cache held rolls back whatever the last pass wrote (sliding windows keep what
         that needs: RaggedKVCache's window)."""
         return None
+
+
+# Cache kinds a batch cannot hold, and what rules each out.
+_UNBATCHABLE = {
+    "ChunkedKVCache": "mlx-lm's llama4 builds its chunked layers' one mask for all rows from "
+                      "cache[0].start_position and cache[0].offset read as Python ints (and its "
+                      "NoPE layers' attention temperature from one int offset)",
+    "LayerCache": "mlx-lm's deepseek_v41 reads one int position for all rows (cache[0].offset, "
+                  "its start_pos) and its LayerCache evicts window rows and closes compressed "
+                  "groups as it writes, so no row can be rolled back",
+}
+# Attention modules that read a batch's cache slots as positions, by the flag marking them.
+_SLOT_POSITIONS = {
+    "is_sparse_attn": "mlx-lm's minimax_m3_vl sparse attention picks key blocks by cache slot "
+                      "(its queries at slots S - L .. S - 1), and a row of a batch does not sit "
+                      "at the slots of its positions",
+}
+# mlx-lm models whose recurrent state a batch pass cannot stop at each row's length, and why.
+_PADDED_STATES = {
+    "mlx_lm.models.longcat_flash_ngram":
+        "mlx-lm's longcat_flash_ngram keeps the last n - 1 token ids of each call (pads and "
+        "rejected drafts included) as its n-gram context, an ArraysCache its model updates "
+        "outside any layer and without row lengths, so a padded or rolled-back row loses its own",
+}
+
+
+def batch_refusal(model, cache: list) -> str | None:
+    """Why `model`'s rows cannot share a batch (None: as far as its caches say, they can): a
+    cache kind the batch cannot hold per row (a CacheList's members are held as the same
+    kinds at top level are), or model code reading one position for every row or leaving a
+    state at the pass's last column whatever each row's length."""
+    kinds = sorted({type(c).__name__ for layer in cache for c in leaves(layer)
+                    if type(c) not in (KVCache, WindowKVCache) and not isinstance(c, ArraysCache)})
+    for kind in kinds:
+        if kind in _UNBATCHABLE:
+            return f"rows cannot share a batch of this model ({kind}): {_UNBATCHABLE[kind]}"
+    if kinds:
+        return (f"batched verification rolls back KV caches, sliding windows and recurrent "
+                f"states (in CacheLists too); this model uses {', '.join(kinds)}, which mlxspec "
+                f"cannot yet cut back per row exactly")
+    for flag, reason in _SLOT_POSITIONS.items():
+        if any(getattr(m, flag, False) is True for _, m in model.named_modules()):
+            return f"rows cannot share a batch of this model: {reason}"
+    reason = _PADDED_STATES.get(type(model).__module__)
+    return None if reason is None else f"rows cannot share a batch of this model: {reason}"
+
+
+def _windows(cache):
+    """A layer's sliding window (None: none), a CacheList's members' as a tuple."""
+    if isinstance(cache, CacheList):
+        return tuple(_windows(c) for c in cache.caches)
+    return cache.window if isinstance(cache, WindowKVCache) else None
+
+
+def _joining(cache, window) -> tuple:
+    """A joining row's cache of one layer as its prefill merges it, and the positions forgotten
+    before it (a tuple of its members' for a CacheList): a sliding window's layer prefills in a
+    plain KVCache of the positions it holds, which the batch's mask keeps to the window."""
+    if isinstance(cache, CacheList):
+        parts = [_joining(c, w) for c, w in zip(cache.caches, window)]
+        return CacheList(*(c for c, _ in parts)), tuple(f for _, f in parts)
+    if window is None:
+        return cache, 0
+    plain = KVCache()
+    if isinstance(cache, WindowKVCache) and cache.keys is not None and cache.held:
+        plain.keys, plain.values = (a[..., : cache.held, :] for a in (cache.keys, cache.values))
+        plain.offset = cache.held
+    return plain, cache.start if isinstance(cache, WindowKVCache) else 0
+
+
+def _batch_row(cache):
+    """One sequence's cache of one layer as a running batch of that one row holds it."""
+    if isinstance(cache, CacheList):
+        return CacheList(*(_batch_row(c) for c in cache.caches))
+    if isinstance(cache, QuantizedKVCache):
+        return RaggedQuantizedKVCache.from_single(cache)
+    if isinstance(cache, WindowKVCache):
+        return RaggedKVCache.from_window(cache)
+    merged = type(cache).merge([cache])
+    return RaggedKVCache.from_batch(merged) if isinstance(merged, BatchKVCache) else merged
+
+
+def _drop(cache, counts: list[int]) -> None:
+    """Row i of a layer's cache forgets its last counts[i] positions: an attention cache's (a
+    CacheList's members' too); a recurrent state is put back by other means."""
+    if isinstance(cache, CacheList):
+        for c in cache.caches:
+            _drop(c, counts)
+    elif not isinstance(cache, ArraysCache):
+        cache.drop(counts)
 
 
 def _select_rows(cache, conv_input: mx.array, states: list, keep: mx.array) -> None:
