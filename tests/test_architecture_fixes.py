@@ -20,15 +20,15 @@ mlx-lm's own classes:
 import random
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 from test_api_hardening import tiny_tokenizer
+from test_rollback_property import PlantedDrafter
 
 import mlxspec
 from mlxspec.backends.mlx.batch_target import MLXBatchTarget
 from mlxspec.backends.mlx.target import MLXTarget, context_length, vocab_size
-from mlxspec.engine import Draft, Drafter, PlainDecoding, SpecStats, speculative_tokens
+from mlxspec.engine import Draft, PlainDecoding, SpecStats, speculative_tokens
 from mlxspec.sampling import SamplingConfig
 
 VOCAB = 64
@@ -151,20 +151,16 @@ def test_lookup_is_lossless_where_it_crashed_or_was_refused(name, tokenizer):
 # --------------------------------------------------------- rollback equals a fresh prefill
 
 
-class PlantedDrafter(Drafter):
-    """Proposes `full`'s continuation with draft position j made wrong: every pass with drafts
-    keeps j of them and rolls back the rest."""
-
-    name = "planted"
-
-    def __init__(self, full: list[int], j: int):
-        self.full, self.j = full, j
-
-    def propose(self, tokens, k, sampling):
-        drafts = list(self.full[len(tokens) : len(tokens) + k])
-        if self.j < len(drafts):
-            drafts[self.j] = (drafts[self.j] + 1) % VOCAB
-        return Draft(tokens=drafts)
+def step_as_alone(batch, singles, tokens, drafts, step) -> None:
+    """One batched pass with these drafts: each row's verdict is its lone target's; every row
+    then keeps what it committed (tokens extended in place)."""
+    verdicts = batch.launch([t[-1] for t in tokens], drafts, [GREEDY] * len(tokens)).verdicts()
+    for single, t, d, v in zip(singles, tokens, drafts, verdicts):
+        ref = single.launch(t[-1], d, GREEDY).verdict()
+        assert (v.accepted, v.next_token) == (ref.accepted, ref.next_token), step
+        single.settle(ref)
+        t += v.committed
+    batch.settle(verdicts)
 
 
 def layer_arrays(cache) -> list:
@@ -202,7 +198,8 @@ def test_caches_after_rollback_equal_a_fresh_prefill(name):
 
         target.trim = spy
         stats = SpecStats()
-        out = [t for t, _ in speculative_tokens(target, PlantedDrafter(prompt + plain, j), prompt,
+        drafter = PlantedDrafter(prompt + plain, j, VOCAB)
+        out = [t for t, _ in speculative_tokens(target, drafter, prompt,
                                                 sampling=GREEDY, max_tokens=n, num_draft=3,
                                                 stats=stats)]
         assert out == plain and stats.drafted > stats.accepted
@@ -317,13 +314,7 @@ def test_batch_rollback_leaves_each_row_as_a_fresh_prefill(name):
         for t in tokens:
             k = rnd.choice([0, 2, 4])
             drafts.append(Draft(tokens=[rnd.randrange(VOCAB) for _ in range(k)]))
-        verdicts = batch.launch([t[-1] for t in tokens], drafts, [GREEDY] * 3).verdicts()
-        for single, t, d, v in zip(singles, tokens, drafts, verdicts):
-            ref = single.launch(t[-1], d, GREEDY).verdict()
-            assert (v.accepted, v.next_token) == (ref.accepted, ref.next_token), step
-            single.settle(ref)
-            t += v.committed
-        batch.settle(verdicts)
+        step_as_alone(batch, singles, tokens, drafts, step)
     for row, t in enumerate(tokens):
         fresh = MLXTarget(model)
         fresh.prefill(t)
@@ -390,13 +381,7 @@ def test_a_batch_row_continues_a_kept_cache_of_cache_lists(name):
     for step in range(5):
         drafts = [Draft(tokens=[rnd.randrange(VOCAB) for _ in range(rnd.choice([0, 2, 3]))])
                   for _ in rows]
-        verdicts = batch.launch([t[-1] for t in tokens], drafts, [GREEDY] * 3).verdicts()
-        for single, t, d, v in zip(singles, tokens, drafts, verdicts):
-            ref = single.launch(t[-1], d, GREEDY).verdict()
-            assert (v.accepted, v.next_token) == (ref.accepted, ref.next_token), step
-            single.settle(ref)
-            t += v.committed
-        batch.settle(verdicts)
+        step_as_alone(batch, singles, tokens, drafts, step)
     for k, was in zip(kept, before):
         now = [a for c in k.cache for a in layer_arrays(c)]
         assert all(mx.array_equal(a, b).item() for a, b in zip(was, now, strict=True))

@@ -35,13 +35,13 @@ class PlantedDrafter(Drafter):
 
     name = "planted"
 
-    def __init__(self, full: list[int], j: int):
-        self.full, self.j = full, j
+    def __init__(self, full: list[int], j: int, vocab: int = VOCAB):
+        self.full, self.j, self.vocab = full, j, vocab
 
     def propose(self, tokens, k, sampling):
         drafts = list(self.full[len(tokens) : len(tokens) + k])
         if self.j < len(drafts):
-            drafts[self.j] = (drafts[self.j] + 1) % VOCAB
+            drafts[self.j] = (drafts[self.j] + 1) % self.vocab
         return Draft(tokens=drafts)
 
 

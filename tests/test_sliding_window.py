@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from scipy import stats as scipy_stats
 from test_api_hardening import tiny_tokenizer
 from test_batch_target import drafts_for, greedy_continuation, relative_diff
 from test_sampling_exactness import chi_squared_pvalue

@@ -49,7 +49,6 @@ from .hidden_states import (capture_layer_outputs, concat_features, record_input
                             run_rows, stops_rows)
 from .padding_probe import padding_refusal
 from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
-from .sampling import sample_token
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
 from .batch_adapters import rows_at_their_positions
 from .window_cache import WindowKVCache, make_cache

@@ -15,7 +15,7 @@ from .acceptance import accept_chain
 from .early_exit import late_forward
 from .hidden_states import (capture_layer_outputs, concat_features, decoder_layers, record_inputs,
                             replay)
-from .sampling import reported_logprobs, sample_token
+from .sampling import reported_logprobs
 from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
 from .target_parts import input_embedding
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
