@@ -7,7 +7,9 @@ that the next token still needs: trimming cannot bring it back, and speculation 
 WindowKVCache keeps its keys in position order instead and forgets old positions only before a
 write, keeping the `window - 1` before it: whatever part of that write a rollback takes back,
 the window of the next position is still held. A cache written one position at a time and cut
-back over several writes (a draft model's) keeps `slack` more. Every query attends to its own window only
+back over several writes (a draft model's) keeps `slack` more. A pass is handed only the keys
+its queries can see (the window - 1 before it and its own), so a one-token decode step reads
+`window` keys with no mask, as over mlx-lm's cache, and a verify pass a little more. Every query attends to its own window only
 (the mask), so the layer computes what mlx-lm's rotating cache computes.
 
 Forgetting copies what is kept, so it waits until `spare` positions past the window have piled
@@ -41,6 +43,7 @@ class WindowKVCache(_BaseCache):
         self.keys = self.values = None
         self.offset = 0  # positions seen: the next one written is at this position
         self.start = 0  # the position of the buffers' first entry
+        self._seen = 0  # the buffers' first entry the last write handed out
 
     @property
     def max_size(self) -> int:
@@ -74,11 +77,18 @@ class WindowKVCache(_BaseCache):
         self.keys[..., kept : kept + n, :] = keys
         self.values[..., kept : kept + n, :] = values
         self.offset += n
+        self._seen = kept - self._visible(kept)
         return self.keys_and_values()
 
+    def _visible(self, behind: int) -> int:
+        """Of `behind` positions held before a write, those its queries can see."""
+        return min(behind, self.window - 1)
+
     def keys_and_values(self):
-        """Every held position's keys and values (what a layer sharing this one's reads)."""
-        return self.keys[..., : self.held, :], self.values[..., : self.held, :]
+        """The keys and values the last write handed out (the positions its queries can see,
+        its own included): what a layer sharing this one's reads in the same pass."""
+        return (self.keys[..., self._seen : self.held, :],
+                self.values[..., self._seen : self.held, :])
 
     @staticmethod
     def _resized(old, like, cut: int, kept: int, size: int):
@@ -93,7 +103,7 @@ class WindowKVCache(_BaseCache):
         causal, and each query sees its last `window_size` positions (capped by the cache's
         own window, as mlx-lm's rotating cache holds no more)."""
         window = min(window_size or self.window, self.window)
-        behind = self.offset - self._start_before_write()  # keys held before the new ones
+        behind = self._visible(self.offset - self._start_before_write())  # keys before the new
         if N == 1:
             if behind < window and not return_array:
                 return None
@@ -104,11 +114,11 @@ class WindowKVCache(_BaseCache):
 
     def tree_mask(self, ancestors: mx.array, depth: mx.array,
                   window_size: int | None = None) -> mx.array:
-        """A tree pass's mask ((N+1, held + N+1) bool): node i, at position offset + depth[i],
-        sees the held positions and its ancestors (`ancestors`, (N+1, N+1)) inside its
+        """A tree pass's mask ((N+1, seen + N+1) bool, over the keys its write hands out): node
+        i, at position offset + depth[i], sees the held positions and its ancestors (`ancestors`, (N+1, N+1)) inside its
         window."""
         window = min(window_size or self.window, self.window)
-        behind = self.offset - self._start_before_write()
+        behind = self._visible(self.offset - self._start_before_write())
         held = mx.arange(behind)[None] + (self.offset - behind)  # (1, behind) positions
         sees = held > (self.offset + depth[:, None] - window)  # (N+1, behind)
         near = (depth[:, None] - depth[None]) < window  # (N+1, N+1)
@@ -152,6 +162,7 @@ class WindowKVCache(_BaseCache):
     def state(self, v):
         (self.keys, self.values, self.offset, self.start, self.window, self.spare,
          self.slack) = v
+        self._seen = 0
 
 
 def rollback_windows(cache: list, slack: int = 0) -> list:
