@@ -14,11 +14,12 @@ import copy
 from contextlib import contextmanager
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+from mlx_lm.models.cache import ArraysCache, CacheList
 
 from .hidden_states import (capture_layer_outputs, concat_features, decoder_layers,
                             instance_attributes, rows_to_their_lengths)
 from .batch_adapters import rows_at_their_positions
+from .state_rollback import stop_at_last_position
 from .target import state_mixers
 
 
@@ -175,31 +176,6 @@ def last_position_mixers(model) -> list[tuple[object, str]]:
     if name is None:
         return []
     return [(layer, name) for layer in decoder_layers(model) if name in layer]
-
-
-def stop_at_last_position(module, x: mx.array, cache: CacheList, lengths: list[int],
-                          before: list | None = None) -> None:
-    """Put each row of the states in `cache` (a CacheList that `module`, a last-position mixer,
-    updated on x (B, L, ...)) to what the module leaves after the row's first lengths[i]
-    inputs: the module run again on that row's input at lengths[i] - 1 alone, into scratch
-    caches (its keys and values go nowhere, its output is never read); a row of length 0 keeps
-    `before`, the states before the call (per state member, its arrays; None arrays: zeros,
-    as the module reads a missing state)."""
-    at = mx.array([max(n - 1, 0) for n in lengths], dtype=mx.int32)
-    last = mx.take_along_axis(x, at.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
-    scratch = CacheList(*(ArraysCache(len(m.cache)) if isinstance(m, ArraysCache) else KVCache()
-                          for m in cache.caches))
-    module(last, None, scratch)
-    states = [(m, s) for m, s in zip(cache.caches, scratch.caches) if isinstance(m, ArraysCache)]
-    idle = [n == 0 for n in lengths]  # rows given no input: their states stay
-    for k, (state, new) in enumerate(states):
-        if before is None or not any(idle):
-            state.cache = list(new.cache)
-            continue
-        stay = mx.array(idle)
-        state.cache = [mx.where(stay.reshape((-1,) + (1,) * (n.ndim - 1)),
-                                mx.zeros_like(n) if old is None else old, n)
-                       for old, n in zip(before[k], new.cache)]
 
 
 class _LastPosition:

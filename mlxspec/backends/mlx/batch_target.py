@@ -40,15 +40,15 @@ from mlx_lm.models.cache import (
 
 from ... import verdict_layout
 from ...engine import Draft, Pass, Start, Verdict
-from ...verdict_layout import HostInts
-from ...rollback import is_recurrent, leaves, recurrent_layers, restore, snapshot
+from ...rollback import is_recurrent, leaves, recurrent_layers, snapshot
 from ...sampling import SamplingConfig
+from ...verdict_layout import HostInts
 from .acceptance import accept_chain
-from .batch_prefill import JoiningRows, keep_rows, last_position_mixers, stop_at_last_position
-from .hidden_states import (capture_layer_outputs, concat_features, record_inputs, replay,
-                            run_rows, stops_rows)
+from .batch_prefill import JoiningRows, keep_rows, last_position_mixers
+from .hidden_states import capture_layer_outputs, concat_features, record_inputs
 from .padding_probe import padding_refusal
 from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
+from .state_rollback import matched_replays, roll_back_states
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
 from .batch_adapters import rows_at_their_positions
 from .window_cache import WindowKVCache, make_cache
@@ -440,26 +440,11 @@ class MLXBatchTarget:
         last = self._last
         if last["states"] is None:  # no recurrent layer, or a pass without drafts
             return
-        recurrent = {id(c) for c in self._recurrent()}
-        # Each recorded call's states: its cache's (a CacheList's ArraysCache members).
-        replays = [(m, x, c) for m, x, c in last["calls"]
-                   if any(id(s) in recurrent for s in recurrent_layers([c]))]
-        if sorted(id(s) for _, _, c in replays for s in recurrent_layers([c])) != \
-                sorted(recurrent):
+        replays = matched_replays(last["calls"], self._recurrent())
+        if replays is None:
             raise ValueError("a recurrent layer of an unknown kind: cannot roll back its state")
-        keep = mx.array(keeps, dtype=mx.int32)
-        restore(self._recurrent(), last["states"])
-        for module, x, c in replays:
-            if id(module) in self._last_position:  # each row's state: its last kept position's
-                stop_at_last_position(module, x, c, keeps)
-            elif id(module) in last["tape"]:
-                _select_rows(c, *last["tape"][id(module)], keep)
-            elif stops_rows(module):  # re-run the layer from the state before the pass,
-                c.prepare(lengths=keeps)  # each row stopped at its length by mask and lengths
-                replay(module, x, c, c.make_mask(x.shape[1]))
-                c.finalize()
-            else:  # one that cannot stop rows (Jamba's, Mamba's, nemotron_h's) row by row
-                run_rows(module, x, c, keeps)
+        roll_back_states(self._recurrent(), last["states"], replays, last["tape"], keeps,
+                         frozenset(self._last_position))
 
     def _recurrent(self) -> list:
         """The recurrent states the batch holds, a CacheList's members too."""
@@ -562,17 +547,6 @@ def _drop(cache, counts: list[int]) -> None:
             _drop(c, counts)
     elif not isinstance(cache, ArraysCache):
         cache.drop(counts)
-
-
-def _select_rows(cache, conv_input: mx.array, states: list, keep: mx.array) -> None:
-    """state_tape.select per row: row i's recurrent state after keep[i] positions of the pass
-    and its convolution window ending there."""
-    width = conv_input.shape[1] - len(states)
-    window = (keep[:, None] + mx.arange(width))[..., None]  # (rows, width, 1)
-    conv = mx.take_along_axis(conv_input, window, axis=1)
-    tape = mx.stack(states, axis=1)  # (rows, S, ...)
-    at = (keep - 1).reshape((-1,) + (1,) * (tape.ndim - 1))
-    cache.cache = [mx.contiguous(conv), mx.take_along_axis(tape, at, axis=1)[:, 0]]
 
 
 

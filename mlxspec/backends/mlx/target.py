@@ -13,10 +13,10 @@ from ...sampling import SamplingConfig
 from ...tree import TreeShape
 from .acceptance import accept_chain
 from .early_exit import late_forward
-from .hidden_states import (capture_layer_outputs, concat_features, decoder_layers, record_inputs,
-                            replay)
+from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
 from .sampling import reported_logprobs
-from .state_tape import fused_kernel_would_run, select, state_tape, tape_modules
+from .state_rollback import matched_replays, roll_back_states
+from .state_tape import fused_kernel_would_run, state_tape, tape_modules
 from .target_parts import input_embedding
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
 from .tree_pass import attention_modules, holds_trees, keep_branch, tree_pass
@@ -323,7 +323,10 @@ class MLXTarget:
         with (record_inputs(self._mixers if undoable else []) as calls,
               state_tape(self._taped if undoable else []) as tape):
             logits, features = self._forward(inputs, early_exit=early_exit)
-        self._last_pass = (states, inputs, self._replays(calls), tape) if undoable else None
+        # Replays None (a mixer of a kind not recorded): a rollback runs the kept tokens through
+        # the whole model instead.
+        self._last_pass = (states, inputs, matched_replays(calls, self._recurrent), tape) \
+            if undoable else None
         return logits, features
 
     def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
@@ -379,16 +382,6 @@ class MLXTarget:
     def holds_trees(self) -> bool:
         return holds_trees(self.cache)
 
-    def _replays(self, calls: list) -> list | None:
-        """The recorded calls that updated a recurrent cache, one per such cache; None when they
-        do not account for every recurrent cache exactly once (a module of an unknown kind), and
-        a rollback runs the kept tokens through the whole model instead."""
-        recurrent = {id(c) for c in self._recurrent}
-        replays = [(module, x, c) for module, x, c in calls if id(c) in recurrent]
-        if sorted(id(c) for _, _, c in replays) != sorted(recurrent):
-            return None
-        return replays
-
     def trim(self, n: int) -> None:
         """Drop the last n positions, all of them from the last pass with drafts."""
         if n <= 0:
@@ -398,20 +391,15 @@ class MLXTarget:
                 c.trim(n)
             return
         states, inputs, replays, tape = self._last_pass
-        restore(self._recurrent, states)
         keep = inputs.size - n
         if replays is not None:
             # Causal layers: the kept positions' inputs to each recurrent layer are the ones the
-            # pass recorded, so only those layers' state updates run again (lazily: their outputs,
-            # the other layers and the head are never computed), or a layer the tape followed
-            # takes the state it recorded at the last kept position; attention caches drop n.
+            # pass recorded, so only those layers' state updates run again (state_rollback);
+            # attention caches drop n.
             trim_attention(self.cache, n)
-            for module, x, c in replays:
-                if id(module) in tape:
-                    select(c, *tape[id(module)], keep)
-                else:
-                    replay(module, x[:, :keep], c)
+            roll_back_states(self._recurrent, states, replays, tape, [keep])
             return
+        restore(self._recurrent, states)
         trim_attention(self.cache, inputs.size)
         self.forward.rerun(self.model, inputs[None, :keep], self.cache)  # lazy: with the next pass
 
