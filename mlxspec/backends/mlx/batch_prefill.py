@@ -26,17 +26,20 @@ from .target import state_mixers
 class JoiningRows:
     """Prompts being prefilled, by ticket, in the order they were added."""
 
-    def __init__(self, model, capture_layers: tuple, step_size: int = 2048):
+    def __init__(self, model, capture_layers: tuple, step_size: int = 2048,
+                 mixers: list | None = None, last_position: list | None = None):
         self.model, self.capture_layers = model, capture_layers
         self.step_size = step_size  # the widest chunk, whatever the budget (memory)
         self.cache = None  # batch caches, one per layer; None while no row joins
         self.tickets: list[int] = []
         self.bodies: list[list[int]] = []  # per row: the tokens still to prefill
         self.features: list[list] = []  # per row: its captured feature chunks so far
-        # Recurrent mixers, so that those taking no mask (Jamba's, Mamba's) stop each row of a
-        # right-padded chunk at its length too (hidden_states.rows_to_their_lengths).
-        self.mixers = state_mixers(model)
-        self.last_position = last_position_mixers(model)
+        # Recurrent mixers, so that those that cannot stop rows (Jamba's, Mamba's) stop each
+        # row of a right-padded chunk at its length too (hidden_states.rows_to_their_lengths),
+        # and the last-position ones (baichuan_m1's) keep each row's own last position.
+        self.mixers = state_mixers(model) if mixers is None else mixers
+        self.last_position = last_position_mixers(model) if last_position is None \
+            else last_position
 
     def __len__(self) -> int:
         return len(self.tickets)

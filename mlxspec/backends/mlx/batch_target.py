@@ -123,13 +123,15 @@ class MLXBatchTarget:
         # The modules that update recurrent states, whose calls a rollback runs again: those
         # mlxspec knows (state_mixers), and those whose state is their last position's
         # (baichuan_m1's attention: batch_prefill.last_position_mixers).
+        known = state_mixers(model) if self._has_recurrent else []
         last_position = last_position_mixers(model) if self._has_recurrent else []
-        self._mixers = (state_mixers(model) if self._has_recurrent else []) + last_position
+        self._mixers = known + last_position
         self._last_position = {id(getattr(layer, name)) for layer, name in last_position}
         self._taped = [] if fused_kernel_would_run() else tape_modules(
             [getattr(layer, name) for layer, name in self._mixers])
         self.cache = None  # mlx-lm batch caches, one per layer; None while no row is held
-        self._joining = JoiningRows(model, self.capture_layers, prefill_step_size)
+        self._joining = JoiningRows(model, self.capture_layers, prefill_step_size, known,
+                                    last_position)
         # Rows prefilled alone as they were added (_prefill_alone), waiting for `fill`.
         self._prefilled: list = []
         self._tickets = 0

@@ -132,8 +132,9 @@ def run_rows(module, x: mx.array, cache, lengths: list[int]) -> mx.array:
 
 
 class _RowByRow:
-    """A mixer that cannot stop rows at their lengths (stops_rows), during a right-padded batch pass whose caches were `prepare`d
-    with each row's length (a batch's prefill): it runs each row to its own length (run_rows)."""
+    """A mixer that cannot stop rows at their lengths (stops_rows), during a right-padded batch
+    pass whose caches were `prepare`d with each row's length (a batch's prefill): it runs each
+    row to its own length (run_rows)."""
 
     def __init__(self, module):
         self.module = module
