@@ -14,7 +14,7 @@ last kept position: from the state tape where the recurrence runs position by po
 (the CPU), else by re-running the layer on the pass's recorded input from the state before it
 with `ArraysCache.prepare(lengths=keep)`, which stops each row's state at its own length
 (baichuan_m1's state, its attention's last position's projections: that module run again on
-each row's last kept input alone, batch_prefill.stop_at_last_position).
+each row's last kept input alone, state_rollback.stop_at_last_position).
 
 A layer's CacheList (falcon_h1's Mamba state beside keys and values, an indexer's keys beside
 the attention's) holds each member as the batch holds that kind at top level, and its members
@@ -44,13 +44,13 @@ from ...rollback import is_recurrent, leaves, recurrent_layers, snapshot
 from ...sampling import SamplingConfig
 from ...verdict_layout import HostInts
 from .acceptance import accept_chain
+from .batch_adapters import rows_at_their_positions
 from .batch_prefill import JoiningRows, keep_rows, last_position_mixers
 from .hidden_states import capture_layer_outputs, concat_features, record_inputs
 from .padding_probe import padding_refusal
 from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
 from .state_rollback import matched_replays, roll_back_states
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
-from .batch_adapters import rows_at_their_positions
 from .window_cache import WindowKVCache, make_cache
 from .target import (
     cache_offset,
@@ -126,7 +126,7 @@ class MLXBatchTarget:
         known = state_mixers(model) if self._has_recurrent else []
         last_position = last_position_mixers(model) if self._has_recurrent else []
         self._mixers = known + last_position
-        self._last_position = {id(getattr(layer, name)) for layer, name in last_position}
+        self._last_position = frozenset(id(getattr(layer, name)) for layer, name in last_position)
         self._taped = [] if fused_kernel_would_run() else tape_modules(
             [getattr(layer, name) for layer, name in self._mixers])
         self.cache = None  # mlx-lm batch caches, one per layer; None while no row is held
@@ -446,7 +446,7 @@ class MLXBatchTarget:
         if replays is None:
             raise ValueError("a recurrent layer of an unknown kind: cannot roll back its state")
         roll_back_states(self._recurrent(), last["states"], replays, last["tape"], keeps,
-                         frozenset(self._last_position))
+                         self._last_position)
 
     def _recurrent(self) -> list:
         """The recurrent states the batch holds, a CacheList's members too."""

@@ -9,8 +9,9 @@ write, keeping the `window - 1` before it: whatever part of that write a rollbac
 the window of the next position is still held. A cache written one position at a time and cut
 back over several writes (a draft model's) keeps `slack` more. A pass is handed only the keys
 its queries can see (the window - 1 before it and its own), so a one-token decode step reads
-`window` keys with no mask, as over mlx-lm's cache, and a verify pass a little more. Every query attends to its own window only
-(the mask), so the layer computes what mlx-lm's rotating cache computes.
+`window` keys with no mask, as over mlx-lm's cache, and a verify pass a little more. Every
+query attends to its own window only (the mask), so the layer computes what mlx-lm's rotating
+cache computes.
 
 Forgetting copies what is kept, so it waits until `spare` positions past the window have piled
 up: a copy every `spare` steps, and at most `spare` masked-out keys in a pass.
@@ -115,8 +116,8 @@ class WindowKVCache(_BaseCache):
     def tree_mask(self, ancestors: mx.array, depth: mx.array,
                   window_size: int | None = None) -> mx.array:
         """A tree pass's mask ((N+1, seen + N+1) bool, over the keys its write hands out): node
-        i, at position offset + depth[i], sees the held positions and its ancestors (`ancestors`, (N+1, N+1)) inside its
-        window."""
+        i, at position offset + depth[i], sees the held positions and its ancestors
+        (`ancestors`, (N+1, N+1)) inside its window."""
         window = min(window_size or self.window, self.window)
         behind = self._visible(self.offset - self._start_before_write())
         held = mx.arange(behind)[None] + (self.offset - behind)  # (1, behind) positions
