@@ -266,10 +266,13 @@ def test_dflash_on_hybrid_targets_is_lossless(build, tmp_path):
     assert out == plain and stats.drafted > 0
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["window-layer", "transformers-layer"])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_torch_sliding_window_cache(prompt):
-    """transformers' DynamicSlidingWindowLayer keeps its last window - 1 positions and refuses a
-    crop past them (it used to raise mid-generation): drafts shrink at its edge, then stop."""
+def test_torch_sliding_window_cache(prompt, own):
+    """The torch target holds a sliding window as a WindowLayer, which keeps what a rollback of
+    the last pass needs: drafts are never cut short. transformers' DynamicSlidingWindowLayer (a
+    cache handed in: `own`) keeps its last window - 1 positions and refuses a crop past them
+    (it used to raise mid-generation): drafts shrink at its edge, then stop."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from mlxspec.backends.torch import TorchTarget
@@ -286,8 +289,12 @@ def test_torch_sliding_window_cache(prompt):
         for _ in range(N):  # no cache at all: the whole sequence each step, windowed by the mask
             reference.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
             ids.append(reference[-1])
-    check_every_planting(lambda: TorchTarget(model, speculative=True), prompt, reference,
-                         window=WINDOW - 1)
+
+    def target():
+        cache = transformers.DynamicCache(config=config) if own else None
+        return TorchTarget(model, speculative=True, cache=cache)
+
+    check_every_planting(target, prompt, reference, window=WINDOW - 1 if own else None)
 
 
 def test_a_cache_that_cannot_roll_back_is_refused_by_name():

@@ -7,12 +7,13 @@ the target's verification are read back once, by the target.
 
 import torch
 
-from ...drafters.draft_model import DraftModelDrafting
+from ...drafters.draft_model import CUT_SLACK, DraftModelDrafting
 from ...sampling import SamplingConfig
 from .arrays import TorchArrays
 from .sampling import categorical, processed_logprobs
 from .dflash import block_mask
 from .target import cache_argument, cache_length, can_crop, crop, make_cache, model_device
+from .window_cache import room
 
 
 class TorchDraftModelDrafter(DraftModelDrafting):
@@ -31,9 +32,14 @@ class TorchDraftModelDrafter(DraftModelDrafting):
     propose = torch.inference_mode()(DraftModelDrafting.propose)
 
     def _make_cache(self):
-        return make_cache(self.model)
+        return make_cache(self.model, slack=CUT_SLACK)
 
     def _cut(self, drop: int, keep: int) -> bool:
+        """A sliding window crops only what it kept past the window; a longer cut starts
+        afresh."""
+        spare = room(self.cache)
+        if spare is not None and drop > spare:
+            return False
         crop(self.cache, drop)
         return True
 

@@ -2,9 +2,10 @@
 
 Same contract as mlxspec.backends.mlx.target.MLXTarget: prefill all but the pending token, verify
 [pending, drafts] in one forward pass, accept on the device, read one packed tensor back to the
-host, crop the cache to the committed tokens. Hybrid models (Qwen3-Next, Qwen3.5) also hold
-linear-attention layers whose state each pass overwrites: a rejection restores it from a copy
-taken before the pass and runs the kept tokens again.
+host, crop the cache to the committed tokens. Sliding-window layers are held as WindowLayers
+(window_cache.py), which keep what that crop needs past the window. Hybrid models (Qwen3-Next,
+Qwen3.5) also hold linear-attention layers whose state each pass overwrites: a rejection
+restores it from a copy taken before the pass and runs the kept tokens again.
 
 A tree of drafts goes through the model as one sequence [pending, node 1, ..., node N] with a 4D
 attention mask (each node sees the cached context, itself and its ancestors) and position ids
@@ -29,6 +30,7 @@ from .acceptance import accept_greedy, accept_sampled
 from .sampling import reported_logprobs, sample_token
 from .transfer import host_tokens
 from .tree_acceptance import DeviceTree, accept_tree_greedy, accept_tree_sampled
+from .window_cache import WindowLayer, rollback_windows
 
 
 def context_length(model) -> int | None:
@@ -45,18 +47,20 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def make_cache(model):
+def make_cache(model, slack: int = 0):
     """A fresh DynamicCache laid out for the model's layer types, as transformers' own generate
     builds it: full or sliding attention, and for hybrids (Qwen3-Next, Qwen3.5) linear-attention
-    layers holding a convolution window and a recurrent state."""
+    layers holding a convolution window and a recurrent state. Its sliding-window layers are
+    WindowLayers, which roll back exactly past the window (`slack`: see WindowLayer)."""
     from transformers import DynamicCache
 
     config = model.config
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     try:
-        return DynamicCache(config=config)
+        cache = DynamicCache(config=config)
     except TypeError:  # older transformers: no config argument
         return DynamicCache()
+    return rollback_windows(cache, slack)
 
 
 def cache_length(cache) -> int:
@@ -64,15 +68,30 @@ def cache_length(cache) -> int:
 
 
 def can_crop(cache) -> bool:
-    """Whether cropping puts the cache back exactly (sliding-window layers cannot, nor recurrent
-    ones: transformers 5.25 calls them croppable, yet crops them only while they record their
-    past, which mlxspec never asks for: it restores them from a snapshot instead)."""
+    """Whether cropping any number of positions puts the cache back exactly: not once a
+    sliding-window layer has forgotten positions (a WindowLayer still crops what a pass
+    wrote: see its `room`), nor with recurrent layers (transformers 5.25 calls them croppable,
+    yet crops them only while they record their past, which mlxspec never asks for: it
+    restores them from a snapshot instead)."""
     if recurrent_layers(cache):
         return False
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return all(crops_anything(layer) for layer in layers)
     croppable = getattr(cache, "is_croppable", None)
     if croppable is not None:
         return bool(croppable)
     return not any(getattr(cache, "is_sliding", None) or [])
+
+
+def crops_anything(layer) -> bool:
+    """Whether a layer crops any number of positions exactly: a sliding window only while
+    it has forgotten nothing (transformers' layer keeps window - 1 of what it saw)."""
+    if isinstance(layer, WindowLayer):
+        return layer.crops_anything()
+    if getattr(layer, "is_sliding", False):
+        return layer.get_seq_length() < layer.sliding_window
+    return bool(getattr(layer, "is_croppable", True))
 
 
 def crop(cache, n: int) -> None:
@@ -114,9 +133,10 @@ def rolls_back(layer) -> bool:
 
 def holds_trees(cache, model) -> bool:
     """Whether one pass can verify a tree: every cache layer a full-attention DynamicLayer, whose
-    entries can be moved by index (a sliding window drops entries a tree's rejected nodes push
-    out; a recurrent state folds every node into one), and an attention that adds a 4D mask as
-    given (SDPA, eager; flash-attention kernels take no such mask)."""
+    entries can be moved by index (a recurrent state folds every node into one; a sliding
+    window, even a WindowLayer, hands attention fewer keys than the one 4D tree mask covers),
+    and an attention that adds a 4D mask as given (SDPA, eager; flash-attention kernels take no
+    such mask)."""
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)
@@ -425,13 +445,15 @@ class TorchTarget:
         return self._trees
 
     def rollback_room(self) -> int | None:
-        """A sliding-window layer (DynamicSlidingWindowLayer) keeps its last window - 1 positions:
-        a pass crops back exactly only while the positions it adds fit beside what it holds."""
+        """How many positions the next pass may write and still crop back exactly (None: any
+        number). A WindowLayer keeps what any crop of its last pass needs; transformers' own
+        sliding-window layer (a cache handed in) keeps its last window - 1 positions, so a pass
+        crops back only while what it adds fits beside what it holds."""
         if self._stuck:
             return 0
         rooms = [layer.sliding_window - 1 - layer.get_seq_length()
                  for layer in getattr(self.cache, "layers", None) or []
-                 if getattr(layer, "sliding_window", None)]
+                 if getattr(layer, "sliding_window", None) and not isinstance(layer, WindowLayer)]
         return max(min(rooms), 0) if rooms else None
 
     @property
