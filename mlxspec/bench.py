@@ -21,7 +21,8 @@ from .intervals import paired_ratio, paired_tau_ratio, tau, tau_interval
 from .peers import LlamaCppPeer, llama_cpp_missing
 from .prompts import LONG_CONTEXT_SIZES, SUITES, suite_prompts
 from .request import Request, check_count
-from .rollback import recurrent_layers, restore, snapshot, trim_attention
+from .rollback import (recurrent_layers, restore, restore_fields, save_fields, snapshot,
+                       snapshotted_layers, trim_attention)
 from .sampling import SamplingConfig
 
 
@@ -428,9 +429,10 @@ def verify_cost(model, tokenizer, sizes=(1, 2, 4, 8, 16), context: int = 256, re
     ids = (tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * context)[:context]
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([ids]), cache=cache))
-    # A hybrid's recurrent states are put back as they were (each pass replaces them).
-    recurrent = recurrent_layers(cache)
-    states = snapshot(recurrent)
+    # A hybrid's recurrent states are put back as they were (each pass replaces them), and so
+    # are caches that roll back by their fields (deepseek_v41's).
+    recurrent, snapshotted = recurrent_layers(cache), snapshotted_layers(cache)
+    states, fields = snapshot(recurrent), save_fields(snapshotted)
     times = {}
     for n in sizes:
         samples = []
@@ -440,6 +442,7 @@ def verify_cost(model, tokenizer, sizes=(1, 2, 4, 8, 16), context: int = 256, re
             samples.append(time.perf_counter() - start)
             trim_attention(cache, n)
             restore(recurrent, states)
+            restore_fields(snapshotted, fields)
         times[n] = statistics.median(samples[1:])
     return {str(n): times[n] / times[sizes[0]] for n in sizes}
 

@@ -7,9 +7,46 @@ back to a snapshot taken where the cache held the positions to keep, or before t
 positions then run again (as a target's rollback does, re-running only the recurrent layers).
 A layer whose CacheList holds such a state beside keys and values (falcon_h1's Mamba state beside
 its attention's) is both: its states are put back and its keys and values cut.
+A cache that forgets as it writes but only ever rebinds its attributes (SNAPSHOT_CACHES: mlx-lm's
+deepseek_v41 LayerCache) is put back to a copy of those attributes, and the kept positions run
+again, as for a recurrent state.
 """
 
 from mlx_lm.models.cache import ArraysCache, CacheList
+
+
+# Cache kinds (module.class) that cannot be cut back but are put back exactly by a copy of the
+# attributes named: every write rebinds one of them to a new array, none writes into an array in
+# place, so the arrays a copy refers to never change. deepseek_v41's LayerCache evicts window rows
+# and closes compressed groups as it writes (`_append`, `update_window`, Compressor.__call__ and
+# Attention._compress all assign).
+SNAPSHOT_CACHES = {
+    "mlx_lm.models.deepseek_v41.LayerCache":
+        ("offset", "window", "compress_kv", "index_k", "pending_kv", "pending_gate"),
+}
+
+
+def snapshot_fields(cache) -> tuple[str, ...]:
+    """The attributes that put a cache of a SNAPSHOT_CACHES kind back; () for any other."""
+    kind = type(cache)
+    return SNAPSHOT_CACHES.get(f"{kind.__module__}.{kind.__qualname__}", ())
+
+
+def snapshotted_layers(cache: list) -> list:
+    """The caches among a model's that roll back by a copy of their attributes."""
+    return [c for c in cache if snapshot_fields(c)]
+
+
+def save_fields(layers: list) -> list[dict]:
+    """What `snapshotted_layers` hold now: references, as a pass rebinds rather than writes."""
+    return [{name: getattr(c, name) for name in snapshot_fields(c)} for c in layers]
+
+
+def restore_fields(layers: list, saved: list[dict]) -> None:
+    """Put back what `save_fields` took of the same layers."""
+    for c, fields in zip(layers, saved, strict=True):
+        for name, value in fields.items():
+            setattr(c, name, value)
 
 
 def is_recurrent(cache) -> bool:
@@ -70,11 +107,12 @@ def restore(recurrent: list, states: list[list]) -> None:
 
 def trim_attention(cache: list, n: int) -> None:
     """Drop the last n positions of every layer that keeps one entry per position (all but the
-    recurrent ones, and of a recurrent layer's CacheList its keys and values)."""
+    recurrent ones and those put back by their attributes, and of a recurrent layer's CacheList
+    its keys and values)."""
     for c in cache:
         if isinstance(c, CacheList) and is_recurrent(c):
             trim_attention(c.caches, n)
-        elif not is_recurrent(c):
+        elif not is_recurrent(c) and not snapshot_fields(c):
             c.trim(n)
 
 

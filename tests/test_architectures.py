@@ -29,18 +29,12 @@ FAST = ["llama", "gemma3_text", "gpt_oss", "qwen3_next", "nemotron_h", "jamba", 
         "afm7", "gpt_bigcode", "gemma3n", "mixtral"]
 # Batches refused in one line, and the words that say why.
 BATCH_REFUSED = {
-    "longcat_flash_ngram": "n-gram context", "llama4": "ChunkedKVCache",
-    "deepseek_v41": "LayerCache",
-    # recurrent layers whose mixers mlxspec does not know: plain rows batch, drafting rows not
-    "gear": "mixers", "kimi_linear": "mixers", "kimi_k3": "mixers", "bailing_hybrid": "mixers",
-    "bailing_moe_v3": "mixers",
-    # the model's own code mishandles padded rows (the probe compares each row with it alone)
-    "plamo3": "other logits", "recurrent_gemma": "other logits", "olmo_hybrid": "other logits",
-    "bailing_moe_linear": "other logits", "rwkv7": "other logits",
-    "nemotron-nas": "fails on a batch",
+    "longcat_flash_ngram": "n-gram context", "deepseek_v41": "LayerCache",
+    # the model's own code depends on how its input is split into passes (SPLIT_DEPENDENT)
+    "plamo3": "other logits",
 }
 # No speculation at all, and why.
-SPEC_REFUSED = {"deepseek_v41": "LayerCache"}
+SPEC_REFUSED: dict[str, str] = {}
 # mlx-lm's own output depends on how its input is split into passes (plamo3's sliding mask is
 # one position wider than its rotating cache), so no verifier of several tokens per pass can
 # equal its token-by-token decode: only plain decoding is compared.

@@ -39,7 +39,7 @@ def split_model(model, sharding: str, group) -> Stage:
     """Split a lazily loaded model for this rank and read only its own weights."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..backends.mlx.target import is_recurrent, state_mixers, untrimmable_caches
+    from ..backends.mlx.target import is_recurrent, untrimmable_caches
 
     caches = make_prompt_cache(model)
     recurrent = [c for c in caches if is_recurrent(c)]
@@ -52,9 +52,10 @@ def split_model(model, sharding: str, group) -> Stage:
     if recurrent and sharding == "tensor":
         raise ValueError("tensor parallelism over a hybrid target (recurrent layers) is not "
                          "supported; use --shard pipeline")
-    if len(recurrent) != len(state_mixers(model)):
+    if _unmixed(model, caches):
         # Each rank rolls back its own recurrent layers by re-running their recorded updates;
-        # a layer of an unknown kind would need the whole model re-run, which no rank holds.
+        # a layer whose mixer mlxspec cannot find would need the whole model re-run, which no
+        # rank holds.
         raise ValueError("a split target's recurrent layers must be of a kind mlxspec re-runs "
                          "alone (Gated DeltaNet, Mamba-2, short convolutions); this model's are "
                          "not")
@@ -63,6 +64,26 @@ def split_model(model, sharding: str, group) -> Stage:
     object.__setattr__(model, STAGE, stage)
     stage.link = Link(group)
     return stage
+
+
+def _unmixed(model, caches: list) -> bool:
+    """Whether a recurrent layer has no mixer that state_mixers finds, or several sharing one
+    state (rwkv7's time and channel mixing), whose replays no rank can tell apart. Layers and
+    caches are paired where they line up, as a pipeline needs; otherwise it asks whether none
+    is found at all."""
+    from mlx_lm.models.cache import CacheList
+
+    from ..backends.mlx.target import is_recurrent, state_mixers
+
+    found: dict[int, int] = {}
+    for layer, _ in state_mixers(model):
+        found[id(layer)] = found.get(id(layer), 0) + 1
+    layers = decoder_layers(model)
+    if len(layers) != len(caches):
+        return not found
+    return any(is_recurrent(c) and (not found.get(id(layer)) or found[id(layer)] > 1
+                                    and not isinstance(c, CacheList))
+               for layer, c in zip(layers, caches))
 
 
 __all__ = ["DistributedError", "Follower", "LeaderTarget", "Link", "SHARDINGS", "STAGE", "Stage",

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..backends.mlx.early_exit import early_forward, num_layers
 from ..engine import EMPTY_DRAFT, Draft, Drafter
 from ..backends.mlx.target import is_recurrent
+from ..rollback import snapshot_fields
 from ..sampling import SamplingConfig
 from ..backends.mlx.sampling import processed_logprobs
 
@@ -49,6 +50,9 @@ def why_unavailable(model) -> str | None:
     if any(is_recurrent(c) for c in cache) or len(kinds) > 1:
         return (f"the layerskip drafter needs a target whose layers all keep one kind of KV "
                 f"cache; this one mixes {', '.join(kinds)}")
+    if any(snapshot_fields(c) for c in cache):  # its early layers' drafts could not be cut
+        return (f"the layerskip drafter needs a target whose KV cache can be cut back; this "
+                f"one keeps {kinds[0]}, which forgets as it writes")
     return None
 
 

@@ -20,13 +20,26 @@ mlx-lm's afm7 rotates a KV-reuse layer's queries at `S - L`, S the width of the 
 buffer, which counts a row's left padding and, in a RaggedKVCache, every column up to the
 longest row's end, while the keys were rotated at each row's own offset: its RoPE is given the
 shared cache's offset per row (after the pass's write, less the queries).
+
+A row starting its sequence in a batch of recurrent_gemma: its RG-LRU treats no state otherwise
+than a state of zeros, which a batch holds for such a row; its blocks run row by row, that row
+from no state (fresh_states; padded_rows says why).
+
+Each row's chunks and attention temperature in llama4. mlx-lm's llama4 builds one chunk mask for
+all rows from `cache[0].start_position` and `cache[0].offset` read as Python ints, and its NoPE
+layers scale their queries by a temperature of `mx.arange(offset + 1, offset + L + 1)`. For one
+call its chunked layers' caches are seen through views whose offset and start read 0 (the mask
+built from them is not used), and their attentions get each row's own chunk mask from the cache
+(ragged_cache.chunk_mask); its NoPE attentions run mlx-lm's code with their own temperature off
+and their query projection scaled by each row's temperature instead: the same product, per row.
 """
 
 from contextlib import contextmanager
 
 import mlx.core as mx
 
-from .hidden_states import instance_attributes
+from .hidden_states import decoder_layers, instance_attributes, run_rows
+from .ragged_cache import chunk_mask
 
 # mlx-lm modules whose forward reads `cache[0].offset` as one number for its positions, and
 # where their position embedding lives: (the model's attribute, the embedding's attribute).
@@ -109,12 +122,137 @@ def _kv_reuse_ropes(model, cache: list) -> list:
             for layer in model.model.kv_reuse_layers]
 
 
+class _ChunkView:
+    """A chunked layer's cache as llama4's model code reads it for its one mask (position 0,
+    nothing to trim); its attention (_ChunkedAttention) gets the cache itself."""
+
+    offset = start_position = 0
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def maybe_trim_front(self) -> None:
+        """The batch's cache forgets what no chunk needs as it writes (its window)."""
+
+
+class _ChunkedAttention:
+    """A chunked-attention layer's attention, given each row's own chunk mask."""
+
+    def __init__(self, attention, size: int):
+        self.attention, self.size = attention, size
+
+    def __call__(self, x, mask=None, cache=None):
+        cache = cache.cache
+        return self.attention(x, chunk_mask(cache, x.shape[1], self.size), cache)
+
+    def __getattr__(self, name):
+        return getattr(self.attention, name)
+
+
+class _TemperedAttention:
+    """A NoPE attention run as mlx-lm's code with its one-offset temperature off and its query
+    projection times each row's own: log(floor(position / floor_scale) + 1) * attn_scale + 1,
+    positions counted from 1, as mlx-lm computes it for one sequence."""
+
+    attn_temperature_tuning = 0
+
+    def __init__(self, attention):
+        self.attention, self._cache = attention, None
+
+    def __call__(self, x, mask=None, cache=None):
+        self._cache = cache
+        return type(self.attention).__call__(self, x, mask, cache)
+
+    def q_proj(self, x):
+        a = self.attention
+        positions = mx.maximum(self._cache.offset[:, None], 0) + mx.arange(1, x.shape[1] + 1)
+        scales = mx.log(mx.floor(positions / a.floor_scale) + 1.0) * a.attn_scale + 1.0
+        queries = a.q_proj(x)
+        return (queries * scales[..., None]).astype(queries.dtype)
+
+    def __getattr__(self, name):
+        return getattr(self.attention, name)
+
+
+def _llama4_rows(model, cache: list) -> tuple[list, list]:
+    """llama4's adapters and the cache list to give it (see the module's docstring); none and
+    `cache` itself for other models, or one not in a batch."""
+    if type(model).__module__ != "mlx_lm.models.llama4" or not cache or \
+            not isinstance(getattr(cache[-1], "offset", None), mx.array):
+        return [], cache
+    inner = model.language_model.model
+    adapters, seen = [], list(cache)
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        attention = layer.self_attn
+        if (i + 1) % 4 != 0:  # mlx-lm's llama4: a chunked layer
+            adapters.append((layer, "self_attn",
+                             _ChunkedAttention(attention, inner.attention_chunk_size)))
+            seen[i] = _ChunkView(c)
+        elif attention.attn_temperature_tuning and not attention.use_rope:
+            adapters.append((layer, "self_attn", _TemperedAttention(attention)))
+    return adapters, seen
+
+
+# mlx-lm modules whose recurrent blocks treat no state otherwise than zeros: (the decoder layer's
+# attribute holding one, the block's class name).
+_FRESH_STATES = {"mlx_lm.models.recurrent_gemma": ("temporal_block", "RecurrentBlock")}
+
+
+class _FromNoState:
+    """A recurrent block run row by row (to each row's length where the cache has them), the
+    rows starting their sequence in this call from no state. It runs the block itself, not
+    what wraps it for the call (a recorder: a rollback then runs the pass again, rerun_kept)."""
+
+    def __init__(self, block, fresh: list[bool]):
+        self.block, self.fresh = block, fresh
+
+    def __call__(self, x, cache=None, mask=None):
+        if cache is None:
+            return self.block(x, cache=cache, mask=mask)
+        lengths = getattr(cache, "lengths", None)
+        lengths = [x.shape[1]] * x.shape[0] if lengths is None else lengths.tolist()
+        return run_rows(self.block, x, cache, lengths, fresh=self.fresh)
+
+    def __getattr__(self, name):
+        return getattr(self.block, name)
+
+
+def fresh_states(model, cache: list) -> list:
+    """(layer, attribute, adapter) for one batched call of `model` on `cache`: its blocks that
+    treat no state otherwise than zeros, where some row's attention caches hold no position."""
+    where = _FRESH_STATES.get(type(model).__module__)
+    offsets = next((c.offset for c in cache if isinstance(getattr(c, "offset", None), mx.array)),
+                   None) if where and cache else None
+    if offsets is None or offsets.ndim != 1:
+        return []
+    fresh = (offsets <= 0).tolist()  # a row whose attention holds no position
+    if not any(fresh):
+        return []
+    name, kind = where
+    layers = [getattr(layer, "layer", layer) for layer in decoder_layers(model)]  # captured
+    blocks = [(layer, _unwrapped(getattr(layer, name, None), kind)) for layer in layers]
+    return [(layer, name, _FromNoState(block, fresh)) for layer, block in blocks
+            if block is not None]
+
+
+def _unwrapped(module, kind: str):
+    """The module of class `kind` under the wrappers a call set on it (hidden_states'), or
+    None."""
+    while module is not None and type(module).__name__ != kind:
+        module = vars(module).get("module")
+    return module
+
+
 @contextmanager
 def rows_at_their_positions(model, cache: list):
     """Yield the cache list to give `model` for one batched call: `cache` itself, unless the
-    model reads one offset for all rows (which then gets each row's), with the model's
-    attentions seeing a batch's mask in the shape they need."""
-    adapters = _grouped_attentions(model) + _kv_reuse_ropes(model, cache)
+    model reads one offset for all rows (which then gets each row's) or one chunk (llama4's,
+    whose chunked layers' caches it sees through views), with the model's attentions seeing a
+    batch's mask in the shape they need."""
+    adapters = _grouped_attentions(model) + _kv_reuse_ropes(model, cache) + \
+        fresh_states(model, cache)
+    chunked, cache = _llama4_rows(model, cache)
+    adapters += chunked
     where = _ONE_OFFSET.get(type(model).__module__)
     offsets = getattr(cache[0], "offset", None) if cache else None
     if where is None or not isinstance(offsets, mx.array):

@@ -14,7 +14,7 @@ import copy
 from contextlib import contextmanager
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList
 
 from .hidden_states import (capture_layer_outputs, concat_features, decoder_layers,
                             instance_attributes, rows_to_their_lengths)
@@ -93,7 +93,7 @@ class JoiningRows:
             self.model(tokens, cache=cache)
         features = concat_features(hidden) if hidden else None
         for c in self.cache:  # also clears the ArraysCache padding merge() sets
-            c.finalize()
+            _finalize(c)
         mx.eval([c.state for c in self.cache] + ([features] if features is not None else []))
         mx.clear_cache()
         for i, n in enumerate(lengths):
@@ -143,6 +143,19 @@ def _shift(cache, forgotten: list) -> None:
             _shift(c, [row[k] for row in forgotten])
     elif any(forgotten):
         cache.offset = cache.offset + mx.array(forgotten)
+
+
+def _finalize(cache) -> None:
+    """mlx-lm's finalize after a right-padded chunk, except that a layer's batch cache no pass
+    writes (nemotron-nas's attention replaced by a linear map keeps an unused KVCache) has no
+    keys to roll right: it only forgets the padding."""
+    if isinstance(cache, CacheList):
+        for c in cache.caches:
+            _finalize(c)
+    elif isinstance(cache, BatchKVCache) and cache.keys is None:
+        cache._right_padding = None
+    else:
+        cache.finalize()
 
 
 def _shallow_copy(cache):

@@ -14,12 +14,16 @@ last kept position: from the state tape where the recurrence runs position by po
 (the CPU), else by re-running the layer on the pass's recorded input from the state before it
 with `ArraysCache.prepare(lengths=keep)`, which stops each row's state at its own length
 (baichuan_m1's state, its attention's last position's projections: that module run again on
-each row's last kept input alone, state_rollback.stop_at_last_position).
+each row's last kept input alone, state_rollback.stop_at_last_position). Where the recorded
+calls miss a state (rwkv7's two mixers share one cache), the states go back to before the pass
+and the pass runs again over each row's kept positions (padded_rows.rerun_kept).
 
 A layer's CacheList (falcon_h1's Mamba state beside keys and values, an indexer's keys beside
 the attention's) holds each member as the batch holds that kind at top level, and its members
-roll back each as their kind does. Models that no batch can hold exactly are refused in one line
-(batch_refusal): llama4, deepseek_v41, minimax_m3_vl's sparse attention, longcat_flash_ngram.
+roll back each as their kind does. A chunked-attention layer (llama4's ChunkedKVCache) is held as
+ChunkedRows, each row masked to its own chunk (batch_adapters). Models that no batch can hold
+exactly are refused in one line (batch_refusal): deepseek_v41, minimax_m3_vl's sparse attention,
+longcat_flash_ngram.
 
 Rows sample from the global MLX random stream, in row order: there are no per-row seeds.
 """
@@ -33,6 +37,7 @@ from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
     CacheList,
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     make_prompt_cache,
@@ -40,15 +45,16 @@ from mlx_lm.models.cache import (
 
 from ... import verdict_layout
 from ...engine import Draft, Pass, Start, Verdict
-from ...rollback import is_recurrent, leaves, recurrent_layers, snapshot
+from ...rollback import is_recurrent, leaves, recurrent_layers, restore, snapshot
 from ...sampling import SamplingConfig
 from ...verdict_layout import HostInts
 from .acceptance import accept_chain
 from .batch_adapters import rows_at_their_positions
 from .batch_prefill import JoiningRows, keep_rows, last_position_mixers
 from .hidden_states import capture_layer_outputs, concat_features, record_inputs
+from .padded_rows import rerun_kept
 from .padding_probe import padding_refusal
-from .ragged_cache import RaggedKVCache, RaggedQuantizedKVCache
+from .ragged_cache import ChunkedRows, RaggedKVCache, RaggedQuantizedKVCache
 from .state_rollback import matched_replays, roll_back_states
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
 from .window_cache import WindowKVCache, make_cache
@@ -120,9 +126,9 @@ class MLXBatchTarget:
             raise ValueError("dynamic NTK RoPE reads its position as one Python int, so rows "
                              "at different positions cannot share a pass")
         self._has_recurrent = any(is_recurrent(c) for c in probe)
-        # The modules that update recurrent states, whose calls a rollback runs again: those
-        # mlxspec knows (state_mixers), and those whose state is their last position's
-        # (baichuan_m1's attention: batch_prefill.last_position_mixers).
+        # The modules that update recurrent states, whose calls a rollback runs again: each
+        # layer's modules taking a cache (state_mixers), and those whose state is their last
+        # position's (baichuan_m1's attention: batch_prefill.last_position_mixers).
         known = state_mixers(model) if self._has_recurrent else []
         last_position = last_position_mixers(model) if self._has_recurrent else []
         self._mixers = known + last_position
@@ -162,11 +168,11 @@ class MLXBatchTarget:
 
     def drafting_refusal(self, drafter) -> str | None:
         """Why rows with `drafter` cannot be verified in this batch (None: they can): a model
-        with recurrent layers whose mixers mlxspec does not know cannot take one row's
+        with recurrent layers none of whose modules takes their cache cannot take one row's
         rejected drafts out of their states."""
         if drafter.max_draft and self._has_recurrent and not self._mixers:
             return (f"the {drafter.name} drafter cannot run in a batch on this model: mlxspec "
-                    "knows none of its recurrent layers' mixers, so it cannot take a row's "
+                    "finds no module updating its recurrent states, so it cannot take a row's "
                     "rejected drafts out of their states; its requests run one at a time")
         return None
 
@@ -297,6 +303,8 @@ class MLXBatchTarget:
             return CacheList(*(self._running(c, w, True) for c, w in zip(cache.caches, window)))
         if not isinstance(cache, BatchKVCache):
             return cache
+        if isinstance(window, Chunks):
+            return ChunkedRows.from_batch(cache, int(window))
         if self.kv_quantization is None or window is not None or member:
             return RaggedKVCache.from_batch(cache, window)
         group_size, bits = self.kv_quantization
@@ -381,7 +389,7 @@ class MLXBatchTarget:
         features = concat_features(hidden) if hidden else None
         self._last = dict(width=width, written=[width] * rows, held=[k + 1 for k in ks],
                           layout=self._layout, states=states, calls=calls if undoable else [],
-                          tape=tape)
+                          tape=tape, inputs=inputs)
 
         packed, scores, next_tokens, row_features, top_n = [], [], [], [], []
         for i, (t, k, d, s, n) in enumerate(zip(tokens, ks, drafts, samplings, logprobs)):
@@ -442,9 +450,11 @@ class MLXBatchTarget:
         last = self._last
         if last["states"] is None:  # no recurrent layer, or a pass without drafts
             return
-        replays = matched_replays(last["calls"], self._recurrent())
-        if replays is None:
-            raise ValueError("a recurrent layer of an unknown kind: cannot roll back its state")
+        replays = matched_replays(last["calls"], self._recurrent(), self._last_position)
+        if replays is None:  # calls that cannot be replayed one by one: the pass runs again
+            restore(self._recurrent(), last["states"])
+            rerun_kept(self.model, self.cache, last["inputs"], keeps, self._mixers, _drop)
+            return
         roll_back_states(self._recurrent(), last["states"], replays, last["tape"], keeps,
                          self._last_position)
 
@@ -463,13 +473,15 @@ class MLXBatchTarget:
 
 # Cache kinds a batch cannot hold, and what rules each out.
 _UNBATCHABLE = {
-    "ChunkedKVCache": "mlx-lm's llama4 builds its chunked layers' one mask for all rows from "
-                      "cache[0].start_position and cache[0].offset read as Python ints (and its "
-                      "NoPE layers' attention temperature from one int offset)",
+    "ChunkedKVCache": "mlxspec masks each row to its own chunk only in mlx-lm's llama4, whose "
+                      "chunked layers batch_adapters fits to per-row positions",
     "LayerCache": "mlx-lm's deepseek_v41 reads one int position for all rows (cache[0].offset, "
-                  "its start_pos) and its LayerCache evicts window rows and closes compressed "
-                  "groups as it writes, so no row can be rolled back",
+                  "its start_pos) and keeps no position per row in its LayerCache, so rows of "
+                  "different lengths cannot share a pass (alone, a copy of its fields and a "
+                  "re-run of the kept tokens roll it back)",
 }
+# Cache kinds a batch holds for the one mlx-lm model whose code batch_adapters fits to its rows.
+_ADAPTED = {"ChunkedKVCache": "mlx_lm.models.llama4"}
 # Attention modules that read a batch's cache slots as positions, by the flag marking them.
 _SLOT_POSITIONS = {
     "is_sparse_attn": "mlx-lm's minimax_m3_vl sparse attention picks key blocks by cache slot "
@@ -491,7 +503,8 @@ def batch_refusal(model, cache: list) -> str | None:
     kinds at top level are), or model code reading one position for every row or leaving a
     state at the pass's last column whatever each row's length."""
     kinds = sorted({type(c).__name__ for layer in cache for c in leaves(layer)
-                    if type(c) not in (KVCache, WindowKVCache) and not isinstance(c, ArraysCache)})
+                    if type(c) not in (KVCache, WindowKVCache) and not isinstance(c, ArraysCache)
+                    and _ADAPTED.get(type(c).__name__) != type(model).__module__})
     for kind in kinds:
         if kind in _UNBATCHABLE:
             return f"rows cannot share a batch of this model ({kind}): {_UNBATCHABLE[kind]}"
@@ -506,27 +519,40 @@ def batch_refusal(model, cache: list) -> str | None:
     return None if reason is None else f"rows cannot share a batch of this model: {reason}"
 
 
+class Chunks(int):
+    """A chunked-attention layer's chunk size, where `_windows` gives a sliding window's: its
+    rows prefill as a window's do, then run as ChunkedRows."""
+
+
 def _windows(cache):
-    """A layer's sliding window (None: none), a CacheList's members' as a tuple."""
+    """A layer's sliding window (None: none; Chunks: a chunked layer's), a CacheList's members'
+    as a tuple."""
     if isinstance(cache, CacheList):
         return tuple(_windows(c) for c in cache.caches)
+    if isinstance(cache, ChunkedKVCache):
+        return Chunks(cache.chunk_size)
     return cache.window if isinstance(cache, WindowKVCache) else None
 
 
 def _joining(cache, window) -> tuple:
     """A joining row's cache of one layer as its prefill merges it, and the positions forgotten
-    before it (a tuple of its members' for a CacheList): a sliding window's layer prefills in a
-    plain KVCache of the positions it holds, which the batch's mask keeps to the window."""
+    before it (a tuple of its members' for a CacheList): a sliding window's or chunked layer
+    prefills in a plain KVCache of the positions it holds, which the batch's mask keeps to the
+    window or the chunk."""
     if isinstance(cache, CacheList):
         parts = [_joining(c, w) for c, w in zip(cache.caches, window)]
         return CacheList(*(c for c, _ in parts)), tuple(f for _, f in parts)
     if window is None:
         return cache, 0
-    plain = KVCache()
-    if isinstance(cache, WindowKVCache) and cache.keys is not None and cache.held:
-        plain.keys, plain.values = (a[..., : cache.held, :] for a in (cache.keys, cache.values))
-        plain.offset = cache.held
-    return plain, cache.start if isinstance(cache, WindowKVCache) else 0
+    plain, start, held = KVCache(), 0, 0
+    if isinstance(cache, WindowKVCache):
+        start, held = cache.start, cache.held
+    elif isinstance(cache, ChunkedKVCache):
+        start, held = cache.start_position, cache.offset - cache.start_position
+    if held and cache.keys is not None:
+        plain.keys, plain.values = (a[..., :held, :] for a in (cache.keys, cache.values))
+        plain.offset = held
+    return plain, start
 
 
 def _batch_row(cache):
@@ -537,6 +563,8 @@ def _batch_row(cache):
         return RaggedQuantizedKVCache.from_single(cache)
     if isinstance(cache, WindowKVCache):
         return RaggedKVCache.from_window(cache)
+    if isinstance(cache, ChunkedKVCache):
+        return ChunkedRows.from_chunked(cache)
     merged = type(cache).merge([cache])
     return RaggedKVCache.from_batch(merged) if isinstance(merged, BatchKVCache) else merged
 

@@ -17,6 +17,10 @@ With `window` set, it is a sliding-window layer's cache (issue #64): each query 
 once `spare` of them have piled up; every row keeps the `window - 1` positions before the write,
 so rolling any row back over that write leaves its window held (WindowKVCache's rule, per row).
 
+ChunkedRows holds a chunked-attention layer's rows (llama4's ChunkedKVCache, one sequence's):
+a window of the chunk's size keeps what each row's current chunk and a rollback need, and
+`chunk_mask` lets each query see only its own chunk, found from its row's own position.
+
 RaggedQuantizedKVCache keeps the same rows quantized (`--kv-bits` in a batch), as mlx-lm's
 QuantizedKVCache keeps one sequence's: each position quantized as it is written, attention
 through mlx-lm's quantized path. Both move their buffers (keys and values, or each part of
@@ -25,7 +29,7 @@ their quantized forms) through the same few steps: `_arrays` and `_set_arrays`.
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, ChunkedKVCache, KVCache, QuantizedKVCache
 
 from .window_cache import WindowKVCache, default_spare
 
@@ -157,7 +161,10 @@ class RaggedKVCache(BatchKVCache):
         return mask[:, None]  # (B, 1, N, keys)
 
     def drop(self, counts: list[int]) -> None:
-        """Row i forgets its last counts[i] positions: its end moves back, nothing is copied."""
+        """Row i forgets its last counts[i] positions: its end moves back, nothing is copied. A
+        layer's cache no pass writes (nemotron-nas's linear attention) holds none to forget."""
+        if self._arrays() is None and not any(self.ends):
+            return
         if any(not 0 <= c <= e for c, e in zip(counts, self.ends)):
             raise ValueError(f"cannot drop {counts} positions from rows ending at {self.ends}")
         self.ends = [e - c for e, c in zip(self.ends, counts)]
@@ -319,3 +326,53 @@ class RaggedQuantizedKVCache(RaggedKVCache):
             cache.keys, cache.values = tuple(row[:3]), tuple(row[3:])
             cache.offset = row[0].shape[2]
         return cache
+
+
+class ChunkedRows(RaggedKVCache):
+    """A chunked-attention layer's rows: a RaggedKVCache whose window is the chunk's size (no
+    query sees further back than its chunk's start), each query masked to its own chunk."""
+
+    @classmethod
+    def from_chunked(cls, cache: ChunkedKVCache) -> "ChunkedRows":
+        """One sequence's chunked cache as a batch of that one row."""
+        rows = cls.__new__(cls)
+        held = cache.offset - cache.start_position
+        rows.keys = rows.values = None
+        if cache.keys is not None and held:
+            rows.keys, rows.values = (a[..., :held, :] for a in (cache.keys, cache.values))
+        rows.offset, rows.left_padding = mx.array([cache.offset]), mx.array([0])
+        rows._idx, rows._right_padding, rows.ends = held, None, [held]
+        rows._set_window(cache.chunk_size)
+        return rows
+
+    def like(self, cache: BatchKVCache) -> "ChunkedRows":
+        return ChunkedRows.from_batch(cache, self.window)
+
+    def extract(self, idx: int) -> ChunkedKVCache:
+        """Row `idx` as one sequence's chunked cache."""
+        cache, row = ChunkedKVCache(self.window), self._row(idx)
+        cache.offset = cache.start_position = int(self.offset[idx].item())
+        if row is not None:
+            cache.keys, cache.values = row
+            cache.start_position = cache.offset - row[0].shape[2]
+        return cache
+
+
+def chunk_mask(cache, n: int, size: int) -> mx.array:
+    """(rows, 1, n, keys): row i's query j, at position offset[i] + j, sees its row's keys from
+    the start of its chunk of `size` positions up to itself, over the columns the next write
+    leaves; `cache` a ChunkedRows or a joining row's mlx-lm BatchKVCache (rows ending alike)."""
+    if isinstance(cache, RaggedKVCache):
+        cut = cache._cut_before_write()
+        ends, left = mx.array(cache.ends) - cut, mx.maximum(cache.left_padding - cut, 0)
+        width = max(cache.ends) - cut + n
+    else:
+        ends, left = mx.full(cache.offset.shape, cache._idx), cache.left_padding
+        width = cache._idx + n
+    shift = (cache.offset - ends)[:, None]  # a row's position of a column, less the column
+    query = ends[:, None] + mx.arange(n)  # (rows, n): each query's own column
+    start = (query + shift) // size * size - shift  # the column its chunk starts at
+    keys = mx.arange(width)
+    mask = (keys <= query[..., None]) & (keys >= start[..., None]) & \
+        (keys >= left[:, None, None])
+    return mask[:, None]

@@ -2,8 +2,9 @@
 a batch (MLXBatchTarget) alike.
 
 A pass with drafts records, for each recurrent state, the mixer call that updated it (the
-module, its input, its cache: hidden_states.record_inputs) and, where the recurrence runs
-position by position anyway, every position's state (state_tape). Rolling back puts each state
+module, its input, its cache, its other arguments: hidden_states.record_inputs; the mixers are
+found per layer, target.state_mixers) and, where the recurrence runs position by position
+anyway, every position's state (state_tape). Rolling back puts each state
 back to its snapshot from before the pass and advances it over the kept positions only: from the
 tape (each row's state at its last kept position), or by calling the mixer again on the kept
 inputs. A lone sequence runs its kept prefix; rows of a batch stop at their own lengths through
@@ -15,21 +16,32 @@ state: stop_at_last_position). Nothing here is computed until the next pass is.
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
-from ...rollback import recurrent_layers, restore
+from ...rollback import leaves, recurrent_layers, restore
 from .hidden_states import replay, run_rows, stops_rows
 from .state_tape import select
 
 
-def matched_replays(calls: list, recurrent: list) -> list | None:
-    """The recorded calls (module, input, cache) that updated the `recurrent` states, one per
-    state (a CacheList's members counted as its states); None when they do not account for
-    every state exactly once (a mixer of a kind mlxspec does not record)."""
+def matched_replays(calls: list, recurrent: list,
+                    last_position: frozenset = frozenset()) -> list | None:
+    """The recorded calls (module, input, cache, other arguments) that updated the `recurrent`
+    states, one per state (a CacheList's members counted as its states); None when they do not
+    account for every state exactly once (a mixer mlxspec does not find) or when one received
+    keys and values beside its states, which a replay would write again (baichuan_m1's
+    attention, unless among the `last_position` ones: ids)."""
     wanted = {id(c) for c in recurrent}
-    replays = [(module, x, c) for module, x, c in calls
-               if any(id(s) in wanted for s in recurrent_layers([c]))]
-    if sorted(id(s) for _, _, c in replays for s in recurrent_layers([c])) != sorted(wanted):
+    replays = [call for call in calls
+               if any(id(s) in wanted for s in recurrent_layers([call[2]]))]
+    if sorted(id(s) for call in replays for s in recurrent_layers([call[2]])) != sorted(wanted):
+        return None
+    if any(id(module) not in last_position and not _states_only(c)
+           for module, _, c, _ in replays):
         return None
     return replays
+
+
+def _states_only(cache) -> bool:
+    """Whether a mixer's cache holds recurrent states and nothing else."""
+    return all(isinstance(leaf, ArraysCache) for leaf in leaves(cache))
 
 
 def roll_back_states(recurrent: list, states: list, replays: list, tape: dict,
@@ -40,7 +52,7 @@ def roll_back_states(recurrent: list, states: list, replays: list, tape: dict,
     `last_position` (ids), the last kept position's projections."""
     restore(recurrent, states)
     alone = len(keeps) == 1
-    for module, x, c in replays:
+    for module, x, c, extra in replays:
         if id(module) in last_position:
             stop_at_last_position(module, x, c, keeps)
         elif id(module) in tape:
@@ -49,13 +61,20 @@ def roll_back_states(recurrent: list, states: list, replays: list, tape: dict,
             else:
                 select_rows(c, *tape[id(module)], mx.array(keeps, dtype=mx.int32))
         elif alone:  # a lone sequence: the mixer again over its kept prefix
-            replay(module, x[:, : keeps[0]], c)
+            replay(module, x[:, : keeps[0]], c, **_prefix(extra, keeps[0], x.shape[1]))
         elif stops_rows(module):  # each row stopped at its length by the mask and lengths
             c.prepare(lengths=keeps)
-            replay(module, x, c, c.make_mask(x.shape[1]))
+            replay(module, x, c, c.make_mask(x.shape[1]), **extra)
             c.finalize()
         else:  # a mixer that cannot stop rows (Jamba's, Mamba's, nemotron_h's): row by row
-            run_rows(module, x, c, keeps)
+            run_rows(module, x, c, keeps, extra)
+
+
+def _prefix(extra: dict, n: int, width: int) -> dict:
+    """A lone sequence's recorded arguments for its first n positions: those that run along
+    the pass's `width` positions cut to n, the rest (a RoPE offset) as they were."""
+    return {k: v[:, :n] if isinstance(v, mx.array) and v.ndim > 1 and v.shape[1] == width
+            else v for k, v in extra.items()}
 
 
 def select_rows(cache, conv_input: mx.array, states: list, keep: mx.array) -> None:

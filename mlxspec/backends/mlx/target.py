@@ -1,14 +1,18 @@
 """The MLX target: forward passes, acceptance and cache trimming for the shared loop."""
 
+import functools
+import inspect
 from typing import Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from ... import verdict_layout
 from ...engine import Draft, Pass, Verdict
 from ...prompt_cache import KeptCache
-from ...rollback import is_recurrent, recurrent_layers, restore, snapshot, trim_attention
+from ...rollback import (is_recurrent, recurrent_layers, restore, restore_fields, save_fields,
+                         snapshot, snapshot_fields, snapshotted_layers, trim_attention)
 from ...sampling import SamplingConfig
 from ...tree import TreeShape
 from .acceptance import accept_chain
@@ -82,8 +86,9 @@ def untrimmable_caches(cache: list) -> list[str]:
     CacheList holding a convolution state beside a RotatingKVCache: the state must be restored
     and the keys and values cut, which a window mlx-lm rotates cannot be past its size.
     Recurrent layers, falcon_h1's CacheList of a Mamba state beside keys and values included,
-    roll back by other means (see MLXTarget and mlxspec.rollback.is_recurrent); callers leave
-    them out, and any passed in are named."""
+    and caches put back by their fields (deepseek_v41's LayerCache) roll back by other means
+    (see MLXTarget and mlxspec.rollback); callers that can leave them out, and any passed in
+    are named."""
     names = []
     for c in cache:
         if isinstance(c, CacheList):
@@ -95,28 +100,38 @@ def untrimmable_caches(cache: list) -> list[str]:
     return sorted(set(names))
 
 
-# Where mlx-lm's hybrid layers keep the module that updates a recurrent state: Gated DeltaNet
-# (qwen3_next, qwen3_5), Mamba-2 (nemotron_h's `mixer`, also its attention and MLP blocks' name,
-# granitemoehybrid's `mamba`), gated short convolutions (lfm2's `conv`); also Mamba (mamba's
-# `mixer`, jamba's and falcon_h1's `mamba`, plamo2's `mixer`, beside its attention of that name).
-# Replays call each as its own signature takes it (hidden_states.replay: Jamba's and Mamba's take
-# no mask).
-_STATE_MIXERS = ("linear_attn", "mixer", "mamba", "conv")
-
-
-def state_mixers(model) -> list[tuple[object, str]]:
-    """(decoder layer, attribute) for each layer holding a module of a known kind that may update
-    a recurrent state: a rollback runs the calls that did again on the kept positions."""
+def state_mixers(model, cache: list | None = None) -> list[tuple[object, str]]:
+    """(decoder layer, attribute) of each child module of a layer that takes a `cache`: where a
+    layer's recurrent state is updated, whatever the model names it (Gated DeltaNet's
+    `linear_attn`, Mamba's `mixer` or `mamba`, lfm2's `conv`, gear's `local_mixer`, kimi_linear's
+    `self_attn`, bailing_hybrid's `attention`). Where the model keeps one cache per layer
+    (`cache`, else a fresh one), only the layers whose cache is recurrent count; otherwise
+    (nemotron_h keeps none for its MLP blocks) every layer's. A rollback replays the recorded
+    calls that received a recurrent state (state_rollback.matched_replays), each as it was
+    called (hidden_states.replay)."""
     try:
         layers = decoder_layers(model)
     except ValueError:
         return []
-    mixers = []
-    for layer in layers:
-        name = next((n for n in _STATE_MIXERS if isinstance(layer, dict) and n in layer), None)
-        if name is not None:
-            mixers.append((layer, name))
-    return mixers
+    caches = make_cache(model) if cache is None else cache
+    if len(caches) == len(layers):
+        layers = [layer for layer, c in zip(layers, caches) if is_recurrent(c)]
+    return [(layer, name) for layer in layers for name in _cache_takers(layer)]
+
+
+def _cache_takers(layer) -> list[str]:
+    """The names of a decoder layer's child modules whose call takes a `cache`."""
+    if not isinstance(layer, nn.Module):
+        return []
+    return [name for name, child in layer.children().items()
+            if isinstance(child, nn.Module) and _takes_cache(type(child))]
+
+
+@functools.cache
+def _takes_cache(kind: type) -> bool:
+    """Whether a module class's call takes a `cache`; read once per class (a target is built per
+    generation)."""
+    return "cache" in inspect.signature(kind.__call__).parameters
 
 
 def committed_scores(logits, drafts, scored_at, next_row, next_token, sampling: SamplingConfig,
@@ -169,7 +184,7 @@ class WholeModel:
 
     def rerun(self, model, tokens: mx.array, cache: list) -> None:
         """Run kept tokens (1, n) through the model again, lazily, to rebuild a recurrent state
-        of a kind that was not recorded (see MLXTarget.trim)."""
+        of a kind that was not recorded, or a cache put back by its fields (see MLXTarget.trim)."""
         model(tokens, cache=cache)
 
 
@@ -212,15 +227,21 @@ class MLXTarget:
         # Recurrent layers roll back by restoring the state from before the last pass with drafts
         # and running its kept tokens again (the attention layers' caches are cut back first).
         self._recurrent = recurrent_layers(self.cache)
-        self._mixers = state_mixers(model) if self._recurrent else []
+        # Caches put back by a copy of their attributes (mlxspec.rollback.SNAPSHOT_CACHES) roll
+        # back alike, always by running the kept tokens through the whole model again.
+        self._snapshotted = snapshotted_layers(self.cache)
+        self._mixers = state_mixers(model, self.cache) \
+            if self._recurrent and not self._snapshotted else []
         # Where the recurrence runs position by position anyway, Gated DeltaNet layers keep every
         # position's state during the pass and a rollback selects (mlxspec.backends.mlx.state_tape).
         self._taped = [] if fused_kernel_would_run() else tape_modules(
             [getattr(layer, name) for layer, name in self._mixers])
         self._last_pass = None  # (states before it, its input tokens, mixer replays, tape)
+        self._last_fields = None  # the snapshotted caches' fields before it
         self._attentions = None  # the modules a tree pass gives per-node RoPE positions, once
         if speculative:
-            bad = untrimmable_caches([c for c in self.cache if not is_recurrent(c)])
+            bad = untrimmable_caches([c for c in self.cache
+                                      if not is_recurrent(c) and not snapshot_fields(c)])
             if bad:
                 raise ValueError(
                     f"speculative decoding needs a cache that can roll back rejected drafts; this "
@@ -318,15 +339,16 @@ class MLXTarget:
     def _chain_forward(self, inputs, num_drafts: int, early_exit=None):
         """Logits (K+1, V) and features of a chain pass, kept undoable where a rejection must
         restore a recurrent state and re-run its kept positions."""
-        undoable = bool(num_drafts and self._recurrent)
+        undoable = bool(num_drafts and (self._recurrent or self._snapshotted))
         states = snapshot(self._recurrent) if undoable else None
+        self._last_fields = save_fields(self._snapshotted) if undoable else None
         with (record_inputs(self._mixers if undoable else []) as calls,
               state_tape(self._taped if undoable else []) as tape):
             logits, features = self._forward(inputs, early_exit=early_exit)
-        # Replays None (a mixer of a kind not recorded): a rollback runs the kept tokens through
-        # the whole model instead.
-        self._last_pass = (states, inputs, matched_replays(calls, self._recurrent), tape) \
-            if undoable else None
+        # Replays None (a mixer of a kind not recorded, or caches put back by their fields): a
+        # rollback runs the kept tokens through the whole model instead.
+        replays = None if self._snapshotted else matched_replays(calls, self._recurrent)
+        self._last_pass = (states, inputs, replays, tape) if undoable else None
         return logits, features
 
     def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
@@ -386,10 +408,12 @@ class MLXTarget:
         """Drop the last n positions, all of them from the last pass with drafts."""
         if n <= 0:
             return
-        if not self._recurrent:
+        if not self._recurrent and not self._snapshotted:
             for c in self.cache:
                 c.trim(n)
             return
+        # Recurrent states and caches put back by their fields return to before the pass; the
+        # kept tokens then run again.
         states, inputs, replays, tape = self._last_pass
         keep = inputs.size - n
         if replays is not None:
@@ -400,6 +424,7 @@ class MLXTarget:
             roll_back_states(self._recurrent, states, replays, tape, [keep])
             return
         restore(self._recurrent, states)
+        restore_fields(self._snapshotted, self._last_fields)
         trim_attention(self.cache, inputs.size)
         self.forward.rerun(self.model, inputs[None, :keep], self.cache)  # lazy: with the next pass
 
@@ -407,10 +432,11 @@ class MLXTarget:
         """How many positions the next pass may write and still roll back (None: any number).
         A sliding window held as a WindowKVCache keeps what any rollback of its last pass
         needs; one mlx-lm still rotates (a RotatingKVCache keeping leading positions) rolls
-        back exactly only while the pass stays within its window."""
+        back exactly only while the pass stays within its window. A cache put back by its
+        fields (SNAPSHOT_CACHES) rolls back any pass."""
         room = None
         for c in self.cache:
-            if is_recurrent(c) or isinstance(c, WindowKVCache):
+            if is_recurrent(c) or isinstance(c, WindowKVCache) or snapshot_fields(c):
                 continue
             if not c.is_trimmable():
                 return 0
