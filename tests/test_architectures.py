@@ -29,7 +29,6 @@ FAST = ["llama", "gemma3_text", "gpt_oss", "qwen3_next", "nemotron_h", "jamba", 
         "afm7", "gpt_bigcode", "gemma3n", "mixtral"]
 # Batches refused in one line, and the words that say why.
 BATCH_REFUSED = {
-    "longcat_flash_ngram": "n-gram context", "deepseek_v41": "LayerCache",
     # the model's own code depends on how its input is split into passes (SPLIT_DEPENDENT)
     "plamo3": "other logits",
 }

@@ -6,6 +6,9 @@ A rollback puts the attributes back as they were before the pass and runs the ke
 again, which is exact only because the model's output does not depend on how its input is split
 into passes (checked first). Two tiny models: the architecture matrix's (window only) and one
 that compresses groups of 4 positions, with an indexer and a candidate mask.
+
+A batch holds one LayerCache per row and runs each layer's attention row by row
+(mlxspec.backends.mlx.layer_rows); its rows roll back as a lone sequence does.
 """
 
 import copy
@@ -19,6 +22,7 @@ from test_architectures import MAX_TOKENS, assert_same, mlx_lm_tokens, ours, rep
 from tiny_models import tiny_llama
 
 import mlxspec
+from mlxspec.backends.mlx.batch_target import MLXBatchTarget
 from mlxspec.backends.mlx.target import MLXTarget, PromptCache
 from mlxspec.drafters import DraftModelDrafter
 from mlxspec.engine import Draft, Drafter, SpecStats, speculative_tokens
@@ -201,3 +205,86 @@ def test_layerskip_is_refused_in_one_line(model):
     with pytest.raises(ValueError, match="keeps LayerCache, which forgets as it writes") as err:
         ours(model, tiny_tokenizer(65), [1, 2, 3, 4, 5, 1, 2, 3], LayerSkipDrafter(model, 1))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", None])
+def test_a_batchs_rows_each_equal_their_prompt_alone(model, drafter):
+    """Rows of different lengths (one with nothing to prefill, one past the window) join in
+    padded chunks and roll back by their own amounts: each gives mlx-lm's greedy decode."""
+    prompts = [[1, 2, 3, 4, 5], repeat([5, 6, 7, 8, 9, 10, 11, 12], 19), past_prompt(model), [7]]
+    batch = mlxspec.batch_generate(model, tiny_tokenizer(65), prompts, MAX_TOKENS,
+                                   drafter=drafter)
+    for i, (prompt, row) in enumerate(zip(prompts, batch.token_ids)):
+        assert_same(model, prompt, list(row), mlx_lm_tokens(model, prompt), f"row {i}")
+    if drafter:
+        assert sum(s.drafted for s in batch.stats) > 0
+
+
+def _joined_apart(model, prompts: list) -> tuple:
+    """A batch whose rows join apart, in padded chunks; its row order as indices of prompts."""
+    batch = MLXBatchTarget(model)
+    tickets = batch.add(prompts[:2])
+    order = [t for t, _ in batch.fill(4)]
+    tickets += batch.add(prompts[2:])
+    while batch.joining:
+        order += [t for t, _ in batch.fill(4)]
+    return batch, [tickets.index(t) for t in order]
+
+
+def test_a_batchs_rolled_back_rows_each_hold_their_own_layer_caches(compressing):
+    """Passes whose rows draft different numbers of tokens, wrong at different positions: after
+    each, every row's LayerCaches hold what a fresh prefill of the row's kept tokens holds."""
+    prompts = [past_prompt(compressing), [7, 8], [(5 * i + 1) % 64 for i in range(11)]]
+    batch, order = _joined_apart(compressing, prompts)
+    rows = [prompts[i] + [int(t) for t, _ in generate_step(mx.array(prompts[i]), compressing,
+                                                          max_tokens=24)] for i in order]
+    lengths = [len(prompts[i]) for i in order]
+    pending = [row[n - 1] for row, n in zip(rows, lengths)]
+    for step in range(6):
+        drafts = []
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            draft = list(row[n : n + 3 - (step + i) % 3])
+            j = (step + 2 * i) % 4
+            if j < len(draft):
+                draft[j] = (draft[j] + 1) % 64
+            drafts.append(Draft(tokens=draft))
+        verdicts = batch.launch(pending, drafts, [SamplingConfig()] * 3).verdicts()
+        batch.settle(verdicts)
+        for i, verdict in enumerate(verdicts):
+            lengths[i] += verdict.accepted + 1
+            pending[i] = verdict.next_token
+            assert pending[i] == rows[i][lengths[i] - 1], (step, i)
+            fresh = compressing.make_cache()
+            mx.eval(compressing(mx.array([rows[i][: lengths[i] - 1]]), cache=fresh))
+            assert_caches_match(batch.row_cache(i)[0], fresh)
+
+
+def test_rows_joining_from_kept_caches_leave_them_as_they_were(compressing):
+    """Rows join a batch from kept prompt caches (a prefix of their prompt): each row's verify
+    logits are its lone run's, and the kept LayerCaches are not written."""
+    from mlxspec.backends.mlx.padding_probe import _alone, _relative
+
+    prompts = [past_prompt(compressing), [(5 * i + 1) % 64 for i in range(11)], [7, 8]]
+    starts = []
+    for prompt, held in zip(prompts, (9, 6, 0)):
+        single = MLXTarget(compressing)
+        single.prefill(prompt[: held + 1])  # holds all but the last: `held` positions
+        starts.append((single.cache, held) if held else None)
+    before = [None if s is None else [dict(vars(c)) for c in s[0]] for s in starts]
+    batch = MLXBatchTarget(compressing)
+    tickets = batch.add(prompts, starts)
+    order = []
+    while batch.joining:
+        order += [t for t, _ in batch.fill(4)]
+    drafts = [[1, 2], [3], []]
+    passes = batch.launch([prompts[tickets.index(t)][-1] for t in order],
+                          [Draft(tokens=d) for d in drafts], [SamplingConfig()] * 3)
+    for i, (t, d) in enumerate(zip(order, drafts)):
+        prompt = prompts[tickets.index(t)]
+        alone = MLXTarget(compressing, speculative=True)
+        alone.prefill(prompt)
+        logits, _ = _alone(alone, prompt[-1], d)
+        assert _relative(logits, passes.logits[i, : len(d) + 1]) < 1e-4, f"row {i}"
+    for start, fields in zip(starts, before):
+        if start is not None:
+            assert all(getattr(c, k) is v for c, f in zip(start[0], fields) for k, v in f.items())

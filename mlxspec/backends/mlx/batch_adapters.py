@@ -32,6 +32,13 @@ call its chunked layers' caches are seen through views whose offset and start re
 built from them is not used), and their attentions get each row's own chunk mask from the cache
 (ragged_cache.chunk_mask); its NoPE attentions run mlx-lm's code with their own temperature off
 and their query projection scaled by each row's temperature instead: the same product, per row.
+
+Each row's own n-gram context in longcat_flash_ngram, whose model keeps the last ids of each call
+whatever each row's length: its n-gram embedding runs on each row's context and leaves each row's
+after its own length (ngram_rows).
+
+Each row's attention alone on its own cache in deepseek_v41, whose model code reads one position
+and one window for all rows: its attentions run row by row on the batch's LayerRows (layer_rows).
 """
 
 from contextlib import contextmanager
@@ -39,6 +46,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from .hidden_states import decoder_layers, instance_attributes, run_rows
+from .layer_rows import row_attentions
+from .ngram_rows import ngram_rows
 from .ragged_cache import chunk_mask
 
 # mlx-lm modules whose forward reads `cache[0].offset` as one number for its positions, and
@@ -248,9 +257,10 @@ def rows_at_their_positions(model, cache: list):
     """Yield the cache list to give `model` for one batched call: `cache` itself, unless the
     model reads one offset for all rows (which then gets each row's) or one chunk (llama4's,
     whose chunked layers' caches it sees through views), with the model's attentions seeing a
-    batch's mask in the shape they need."""
+    batch's mask in the shape they need, an n-gram embedding each row's own context and
+    deepseek_v41's attentions each row's own LayerCache."""
     adapters = _grouped_attentions(model) + _kv_reuse_ropes(model, cache) + \
-        fresh_states(model, cache)
+        fresh_states(model, cache) + ngram_rows(model) + row_attentions(model, cache)
     chunked, cache = _llama4_rows(model, cache)
     adapters += chunked
     where = _ONE_OFFSET.get(type(model).__module__)

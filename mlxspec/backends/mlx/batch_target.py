@@ -22,8 +22,10 @@ A layer's CacheList (falcon_h1's Mamba state beside keys and values, an indexer'
 the attention's) holds each member as the batch holds that kind at top level, and its members
 roll back each as their kind does. A chunked-attention layer (llama4's ChunkedKVCache) is held as
 ChunkedRows, each row masked to its own chunk (batch_adapters). Models that no batch can hold
-exactly are refused in one line (batch_refusal): deepseek_v41, minimax_m3_vl's sparse attention,
-longcat_flash_ngram.
+exactly are refused in one line (batch_refusal): minimax_m3_vl's sparse attention. deepseek_v41's
+layers hold one LayerCache per row, its attentions run row by row (layer_rows).
+longcat_flash_ngram's n-gram context, kept beside its layers, is each row's own through a
+per-call adapter and is set back from the pass's inputs (ngram_rows).
 
 Rows sample from the global MLX random stream, in row order: there are no per-row seeds.
 """
@@ -52,6 +54,8 @@ from .acceptance import accept_chain
 from .batch_adapters import rows_at_their_positions
 from .batch_prefill import JoiningRows, keep_rows, last_position_mixers
 from .hidden_states import capture_layer_outputs, concat_features, record_inputs
+from .layer_rows import holds_rows, joining_rows
+from .ngram_rows import context_caches, roll_back_contexts, widened
 from .padded_rows import rerun_kept
 from .padding_probe import padding_refusal
 from .ragged_cache import ChunkedRows, RaggedKVCache, RaggedQuantizedKVCache
@@ -125,7 +129,12 @@ class MLXBatchTarget:
         if any(type(m).__name__ == "DynamicNTKScalingRoPE" for _, m in model.named_modules()):
             raise ValueError("dynamic NTK RoPE reads its position as one Python int, so rows "
                              "at different positions cannot share a pass")
-        self._has_recurrent = any(is_recurrent(c) for c in probe)
+        # An n-gram context (longcat_flash_ngram's) is a state no layer updates: a rollback
+        # sets it from the pass's inputs (ngram_rows), apart from the recurrent layers'.
+        self._contexts_held = len(context_caches(model, probe))  # first in the cache list
+        self._has_recurrent = any(is_recurrent(c) for c in probe[self._contexts_held :])
+        # deepseek_v41's layers: one LayerCache per row, put back by their fields (layer_rows).
+        self._layer_rows = holds_rows(model)
         # The modules that update recurrent states, whose calls a rollback runs again: each
         # layer's modules taking a cache (state_mixers), and those whose state is their last
         # position's (baichuan_m1's attention: batch_prefill.last_position_mixers).
@@ -230,8 +239,9 @@ class MLXBatchTarget:
         ones) as its prefill merges them, and per layer the positions forgotten before them:
         a sliding window's layer prefills in a plain KVCache of the positions it holds, which
         the batch's mask keeps to the window."""
-        if kept is None:
-            kept = make_prompt_cache(self.model)
+        kept = make_prompt_cache(self.model) if kept is None else widened(self.model, kept)
+        if self._layer_rows:
+            kept = [joining_rows(c) for c in kept]
         joining = [_joining(c, window) for c, window in zip(kept, self._windows)]
         return [c for c, _ in joining], [forgotten for _, forgotten in joining]
 
@@ -311,7 +321,7 @@ class MLXBatchTarget:
         return RaggedQuantizedKVCache.from_batch(cache, group_size, bits)
 
     def _states_at_prompt_end(self, cache: list, tickets: list[int]) -> list:
-        if not (self.capture_layers and self._has_recurrent):
+        if not (self.capture_layers and (self._has_recurrent or self._contexts_held)):
             return [None] * len(tickets)
         states = [[list(c.extract(i).cache) for c in recurrent_layers(cache)]
                   if ticket in self._keeping else None for i, ticket in enumerate(tickets)]
@@ -381,6 +391,8 @@ class MLXBatchTarget:
 
         undoable = width > 1 and self._has_recurrent
         states = snapshot(self._recurrent()) if undoable else None
+        contexts = [c[0] for c in self._contexts()] if width > 1 else []
+        fields = [c.fields() for c in self.cache] if width > 1 and self._layer_rows else None
         with (record_inputs(self._mixers if undoable else []) as calls,
               state_tape(self._taped if undoable else []) as tape,
               capture_layer_outputs(self.model, self.capture_layers) as hidden,
@@ -389,7 +401,7 @@ class MLXBatchTarget:
         features = concat_features(hidden) if hidden else None
         self._last = dict(width=width, written=[width] * rows, held=[k + 1 for k in ks],
                           layout=self._layout, states=states, calls=calls if undoable else [],
-                          tape=tape, inputs=inputs)
+                          tape=tape, inputs=inputs, contexts=contexts, fields=fields)
 
         packed, scores, next_tokens, row_features, top_n = [], [], [], [], []
         for i, (t, k, d, s, n) in enumerate(zip(tokens, ks, drafts, samplings, logprobs)):
@@ -448,19 +460,41 @@ class MLXBatchTarget:
     def _roll_back_states(self, keeps: list[int]) -> None:
         """Each recurrent layer's state after row i's keeps[i]-th position of the last pass."""
         last = self._last
+        if last["fields"] is not None:  # LayerRows: back to before the pass, which runs again
+            self._rerun_rows(last["fields"], last["inputs"], keeps)
+            return
+        roll_back_contexts(self._contexts(), last["contexts"], last["inputs"], keeps)
         if last["states"] is None:  # no recurrent layer, or a pass without drafts
             return
         replays = matched_replays(last["calls"], self._recurrent(), self._last_position)
         if replays is None:  # calls that cannot be replayed one by one: the pass runs again
             restore(self._recurrent(), last["states"])
+            for c, context in zip(self._contexts(), last["contexts"]):
+                c[0] = context
             rerun_kept(self.model, self.cache, last["inputs"], keeps, self._mixers, _drop)
             return
         roll_back_states(self._recurrent(), last["states"], replays, last["tape"], keeps,
                          self._last_position)
 
+    def _rerun_rows(self, fields: list, inputs: mx.array, keeps: list[int]) -> None:
+        """Every layer's rows put back to `fields` (before the pass `inputs`), and the pass run
+        again over row i's first keeps[i] positions. Lazy: computed with the next pass."""
+        for c, saved in zip(self.cache, fields):
+            c.restore(saved)
+            c.prepare(lengths=keeps)
+        with rows_at_their_positions(self.model, self.cache) as view:
+            self.model(inputs, cache=view)
+        for c in self.cache:
+            c.finalize()
+
     def _recurrent(self) -> list:
-        """The recurrent states the batch holds, a CacheList's members too."""
-        return recurrent_layers(self.cache)
+        """The recurrent states the batch holds, a CacheList's members too; not an n-gram
+        context."""
+        return recurrent_layers(self.cache[self._contexts_held :])
+
+    def _contexts(self) -> list:
+        """The n-gram contexts the batch holds (ngram_rows)."""
+        return context_caches(self.model, self.cache)
 
     def holds_trees(self) -> bool:
         return False
@@ -475,33 +509,22 @@ class MLXBatchTarget:
 _UNBATCHABLE = {
     "ChunkedKVCache": "mlxspec masks each row to its own chunk only in mlx-lm's llama4, whose "
                       "chunked layers batch_adapters fits to per-row positions",
-    "LayerCache": "mlx-lm's deepseek_v41 reads one int position for all rows (cache[0].offset, "
-                  "its start_pos) and keeps no position per row in its LayerCache, so rows of "
-                  "different lengths cannot share a pass (alone, a copy of its fields and a "
-                  "re-run of the kept tokens roll it back)",
 }
-# Cache kinds a batch holds for the one mlx-lm model whose code batch_adapters fits to its rows.
-_ADAPTED = {"ChunkedKVCache": "mlx_lm.models.llama4"}
+# Cache kinds a batch holds only for the mlx-lm model whose code batch_adapters fits to its rows
+# (llama4's chunks: ChunkedRows; deepseek_v41's LayerCache: one per row, layer_rows).
+_ADAPTED = {"ChunkedKVCache": "mlx_lm.models.llama4", "LayerCache": "mlx_lm.models.deepseek_v41"}
 # Attention modules that read a batch's cache slots as positions, by the flag marking them.
 _SLOT_POSITIONS = {
     "is_sparse_attn": "mlx-lm's minimax_m3_vl sparse attention picks key blocks by cache slot "
                       "(its queries at slots S - L .. S - 1), and a row of a batch does not sit "
                       "at the slots of its positions",
 }
-# mlx-lm models whose recurrent state a batch pass cannot stop at each row's length, and why.
-_PADDED_STATES = {
-    "mlx_lm.models.longcat_flash_ngram":
-        "mlx-lm's longcat_flash_ngram keeps the last n - 1 token ids of each call (pads and "
-        "rejected drafts included) as its n-gram context, an ArraysCache its model updates "
-        "outside any layer and without row lengths, so a padded or rolled-back row loses its own",
-}
 
 
 def batch_refusal(model, cache: list) -> str | None:
     """Why `model`'s rows cannot share a batch (None: as far as its caches say, they can): a
     cache kind the batch cannot hold per row (a CacheList's members are held as the same
-    kinds at top level are), or model code reading one position for every row or leaving a
-    state at the pass's last column whatever each row's length."""
+    kinds at top level are), or model code reading one position for every row."""
     kinds = sorted({type(c).__name__ for layer in cache for c in leaves(layer)
                     if type(c) not in (KVCache, WindowKVCache) and not isinstance(c, ArraysCache)
                     and _ADAPTED.get(type(c).__name__) != type(model).__module__})
@@ -515,8 +538,7 @@ def batch_refusal(model, cache: list) -> str | None:
     for flag, reason in _SLOT_POSITIONS.items():
         if any(getattr(m, flag, False) is True for _, m in model.named_modules()):
             return f"rows cannot share a batch of this model: {reason}"
-    reason = _PADDED_STATES.get(type(model).__module__)
-    return None if reason is None else f"rows cannot share a batch of this model: {reason}"
+    return None
 
 
 class Chunks(int):

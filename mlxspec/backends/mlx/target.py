@@ -18,6 +18,7 @@ from ...tree import TreeShape
 from .acceptance import accept_chain
 from .early_exit import late_forward
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
+from .ngram_rows import context_caches, roll_back_contexts
 from .sampling import reported_logprobs
 from .state_rollback import matched_replays, roll_back_states
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
@@ -227,6 +228,10 @@ class MLXTarget:
         # Recurrent layers roll back by restoring the state from before the last pass with drafts
         # and running its kept tokens again (the attention layers' caches are cut back first).
         self._recurrent = recurrent_layers(self.cache)
+        # Where they are n-gram contexts only (longcat_flash_ngram's, in a model held whole), a
+        # rollback sets them from the pass's inputs instead (ngram_rows).
+        contexts = context_caches(model, self.cache) if forward is WHOLE_MODEL else []
+        self._contexts = contexts if len(contexts) == len(self._recurrent) else []
         # Caches put back by a copy of their attributes (mlxspec.rollback.SNAPSHOT_CACHES) roll
         # back alike, always by running the kept tokens through the whole model again.
         self._snapshotted = snapshotted_layers(self.cache)
@@ -416,6 +421,10 @@ class MLXTarget:
         # kept tokens then run again.
         states, inputs, replays, tape = self._last_pass
         keep = inputs.size - n
+        if self._contexts:
+            trim_attention(self.cache, n)
+            roll_back_contexts(self._contexts, [s[0] for s in states], inputs[None], [keep])
+            return
         if replays is not None:
             # Causal layers: the kept positions' inputs to each recurrent layer are the ones the
             # pass recorded, so only those layers' state updates run again (state_rollback);
