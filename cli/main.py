@@ -15,8 +15,10 @@ from mlxspec.cli.options import (  # noqa: E402
     _check_backend,
     _check_drafter,
     _check_kv_bits,
+    _constraint,
     _drafter_option_flags,
     _options_for,
+    constraint_options,
     kv_cache_options,
     model_options,
     shard_option,
@@ -63,6 +65,7 @@ def decoding_options(f):
         click.option("--min-p", type=float, default=0.0, show_default=True),
         click.option("--seed", type=int, default=None),
         *kv_cache_options(),
+        *constraint_options(),
         click.option("--system", default=None, help="System prompt for the chat template."),
         click.option("--no-chat-template", is_flag=True,
                      help="Use the prompt as raw text instead of a chat message."),
@@ -78,7 +81,7 @@ def _checkpoint_help(kind) -> str:
 
 
 def _request(max_tokens, num_draft=None, adaptive=True, kv_bits=None, kv_group_size=64,
-             **sampling):
+             constraint=None, **sampling):
     """The generation's Request from the flags, checked before a model loads (chat: before the
     REPL starts); a refused value names its flag."""
     from mlxspec.request import Request
@@ -86,7 +89,8 @@ def _request(max_tokens, num_draft=None, adaptive=True, kv_bits=None, kv_group_s
 
     try:
         return Request(max_tokens, SamplingConfig(**sampling), num_draft=num_draft,
-                       adaptive=adaptive, kv_bits=kv_bits, kv_group_size=kv_group_size)
+                       adaptive=adaptive, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                       constraint=constraint)
     except (TypeError, ValueError) as err:
         name = str(err).split()[0]
         raise click.BadParameter(str(err), param_hint=f"--{name.replace('_', '-')}") from None
@@ -214,8 +218,8 @@ def main():
 @click.option("--verbose", "-v", is_flag=True, help="Print speed and acceptance statistics.")
 def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter, draft_model,
              num_draft, adaptive, max_tokens, temp, top_p, top_k, min_p, seed, kv_bits,
-             kv_group_size, system, no_chat_template, prompt_cache_file, verbose,
-             **drafter_options):
+             kv_group_size, json_schema, json_object, regex, grammar, system, no_chat_template,
+             prompt_cache_file, verbose, **drafter_options):
     """Generate a reply to one prompt, or to each of a file's prompts at once (--prompts)."""
     import mlxspec
     from mlxspec.generate import check_utf8, format_stats
@@ -231,7 +235,8 @@ def generate(prompt, prompts_file, model, dtype, backend, device, shard, drafter
             raise click.BadParameter(str(err), param_hint="--prompt") from None
         if not prompt.strip():
             raise click.BadParameter("the prompt is empty", param_hint="--prompt")
-    request = _request(max_tokens, num_draft, adaptive, kv_bits, kv_group_size, temp=temp,
+    request = _request(max_tokens, num_draft, adaptive, kv_bits, kv_group_size,
+                       _constraint(json_schema, json_object, regex, grammar), temp=temp,
                        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)
@@ -313,7 +318,8 @@ def _generate_batch(target, tokenizer, spec, prompts, request, system, no_chat_t
             target, tokenizer, texts, request.max_tokens, drafter=spec,
             num_draft=request.num_draft, adaptive=request.adaptive, temp=sampling.temp,
             top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p, seed=sampling.seed,
-            kv_bits=request.kv_bits, kv_group_size=request.kv_group_size)
+            kv_bits=request.kv_bits, kv_group_size=request.kv_group_size,
+            constraint=request.constraint)
     except ValueError as err:
         _fail(err)
     for i, (text, ids, reason) in enumerate(zip(out.texts, out.token_ids, out.finish_reasons)):
@@ -332,14 +338,16 @@ def _generate_batch(target, tokenizer, spec, prompts, request, system, no_chat_t
               help="Colour tokens that came from drafts (default: on when stdout is a TTY).")
 @PROMPT_CACHE_FILE
 def chat(model, dtype, backend, device, shard, drafter, draft_model, num_draft, adaptive,
-         max_tokens, temp, top_p, top_k, min_p, seed, kv_bits, kv_group_size, system,
-         no_chat_template, color, prompt_cache_file, **drafter_options):
+         max_tokens, temp, top_p, top_k, min_p, seed, kv_bits, kv_group_size, json_schema,
+         json_object, regex, grammar, system, no_chat_template, color, prompt_cache_file,
+         **drafter_options):
     """Chat in a REPL. /reset clears history, /quit exits; Ctrl-C stops a reply, keeping history."""
     import mlxspec
     from mlxspec.backends import backend_for
     from mlxspec.generate import check_utf8
 
-    request = _request(max_tokens, num_draft, adaptive, kv_bits, kv_group_size, temp=temp,
+    request = _request(max_tokens, num_draft, adaptive, kv_bits, kv_group_size,
+                       _constraint(json_schema, json_object, regex, grammar), temp=temp,
                        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _check_drafter(drafter, draft_model, drafter_options)
     _check_backend(backend, device)

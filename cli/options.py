@@ -124,3 +124,42 @@ def _check_kv_bits(kv_bits, backend) -> None:
 
     if kv_bits is not None and not backend_named(backend).mlx_lm:
         raise click.BadParameter("quantizes MLX caches; use --backend mlx", param_hint="--kv-bits")
+
+
+def constraint_options() -> list:
+    """--json-schema, --json, --regex, --grammar: what the reply must match (at most one)."""
+    return [
+        click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
+                     help="A JSON Schema file: the reply is JSON that follows it."),
+        click.option("--json", "json_object", is_flag=True,
+                     help="The reply is a JSON object (any)."),
+        click.option("--regex", default=None, help="The reply matches this regular expression."),
+        click.option("--grammar", type=click.File("r"), default=None,
+                     help="A Lark grammar file (llguidance's dialect): the reply is in its "
+                          "language."),
+    ]
+
+
+def _constraint(json_schema=None, json_object=False, regex=None, grammar=None):
+    """The reply's constraint from its flags (None: none), compiled before a model loads; a
+    refused one names its flag."""
+    from mlxspec.constraint import Constraint
+
+    given = {"--json-schema": json_schema, "--json": json_object or None, "--regex": regex,
+             "--grammar": grammar}
+    given = {flag: value for flag, value in given.items() if value is not None}
+    if len(given) > 1:
+        raise click.UsageError(f"give one of {', '.join(given)}, not several")
+    if not given:
+        return None
+    (flag, value), = given.items()
+    try:
+        if flag == "--json-schema":
+            return Constraint.json_schema(value.read())
+        if flag == "--json":
+            return Constraint.json_object()
+        if flag == "--regex":
+            return Constraint.regex(value)
+        return Constraint.lark(value.read())
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint=flag) from None

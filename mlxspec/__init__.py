@@ -17,6 +17,7 @@ preload_openblas()  # before anything imports mlx.core
 from .backends import BACKENDS  # noqa: E402
 from .backends.mlx.target import PromptCache  # noqa: E402
 from .batch import BatchResponse, batch_generate  # noqa: E402
+from .constraint import Constraint  # noqa: E402
 from .drafters import load_drafter  # noqa: E402
 from .engine import Draft, Drafter, SpecStats, Verdict  # noqa: E402
 from .generate import GenerationResponse, generate, stream_generate, stream_request  # noqa: E402
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "BatchResponse",
+    "Constraint",
     "Draft",
     "Drafter",
     "GenerationResponse",

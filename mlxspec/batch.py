@@ -9,7 +9,8 @@ from typing import Sequence
 from .backends import backend_for
 from .backends.mlx.target import stage_of
 from .engine import Drafter, Loop, Row, SpecStats, Start, draft_limit, requested_drafts
-from .generate import _as_wrapper, check_prompt_cache, check_request, encode_prompt
+from .generate import (_as_wrapper, check_prompt_cache, check_request, encode_prompt,
+                       request_matcher)
 from .generation_lock import clear_streams_at_thread_exit, generation_lock
 from .request import Request, check_count
 from .sampling import SamplingConfig
@@ -39,7 +40,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
                    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                    seed: int | None = None, overlap: bool = True,
                    prompt_caches: "Sequence | None" = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64, verbose: bool = False) -> BatchResponse:
+                   kv_group_size: int = 64, constraint=None,
+                   verbose: bool = False) -> BatchResponse:
     """Generate a continuation of every prompt (strings or token ids, used as given) together.
 
     Each prompt is a row: the rows' [pending, drafts] go through the target in one batched pass
@@ -54,6 +56,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     with a drafter that reads target features (DFlash, EAGLE-3), its prompt and their features.
     `kv_bits`, `kv_group_size`: every row's keys and values are kept quantized, as
     stream_generate's (each row's output is then that prompt's alone with the same kv_bits).
+    `constraint`: one Constraint (or None) for every prompt, or a sequence of one per prompt
+    (None for a free row): each constrained row has its own grammar state.
     """
     parts = backend_for(model)
     refusal = model_refusal(model)
@@ -65,25 +69,29 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens: "int | Seque
     budgets = _budgets(max_tokens, len(prompts))
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     requests = [Request(n, sampling, num_draft=num_draft, adaptive=adaptive, overlap=overlap,
-                        kv_bits=kv_bits, kv_group_size=kv_group_size) for n in budgets]
+                        kv_bits=kv_bits, kv_group_size=kv_group_size, constraint=c)
+                for n, c in zip(budgets, _constraints(constraint, len(prompts)))]
     caches = _prompt_caches(parts, prompt_caches, len(prompts))
     tokenizer = _as_wrapper(tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     for tokens, request in zip(encoded, requests):
         check_request(parts, model, tokens, request.max_tokens)
+    matchers = [request_matcher(r, tokenizer, parts.vocab_size(model)) for r in requests]
 
     from .drafters import resolve_drafter
 
     prototype = resolve_drafter(drafter, model=model, tokenizer=tokenizer)
     prototype.check_batchable()  # before the batch target is even built
+    if any(m is not None for m in matchers):
+        prototype.check_constrainable()
     target = parts.batch_target(model, capture_layers=prototype.capture_layers,
                                 kv_bits=kv_bits, kv_group_size=kv_group_size)
     if seed is not None:
         parts.seed(seed)
     eos = frozenset(tokenizer.eos_token_ids)
     loop = Loop(target, overlap=overlap)
-    rows = [request_row(prototype, tokens, request, eos)
-            for tokens, request in zip(encoded, requests)]
+    rows = [request_row(prototype, tokens, request, eos, matcher)
+            for tokens, request, matcher in zip(encoded, requests, matchers)]
     cached = [0] * len(rows)
     for i, (row, cache) in enumerate(zip(rows, caches)):
         if cache is not None:
@@ -118,16 +126,19 @@ def model_refusal(model) -> str | None:
 
 
 def request_row(drafter: Drafter, prompt: list[int], request: Request,
-                stop_tokens: frozenset) -> Row:
+                stop_tokens: frozenset, matcher=None) -> Row:
     """A request as a row of the loop: a fork of `drafter` (its own state and adaptive K),
-    drafting at most what the request asks and the drafter can propose."""
+    drafting at most what the request asks and the drafter can propose; `matcher`: its
+    constraint's grammar state (generate.request_matcher), which a constrained request needs."""
     drafter.check_batchable()
+    if (request.constraint is None) != (matcher is None):
+        raise ValueError("a constrained request's row needs its matcher, and only it")
     fork = drafter.fork()
     max_k = draft_limit(fork, requested_drafts(fork, request.num_draft, request.adaptive))
     greedy = request.sampling.greedy
     policy = fork.draft_policy(max_k, greedy) if request.adaptive and max_k else None
     return Row(fork, list(prompt), request.sampling, request.max_tokens, max_k, policy,
-               stop_tokens, request.logprobs)
+               stop_tokens, request.logprobs, matcher=matcher)
 
 
 def start_from(row: Row, cache, model) -> int:
@@ -174,6 +185,16 @@ def _prompt_caches(parts, caches, n: int) -> list:
     for cache in caches:
         check_prompt_cache(parts, cache)
     return caches
+
+
+def _constraints(constraint, n: int) -> list:
+    """A constraint per prompt: one (or None) for all, or a sequence of one per prompt."""
+    if constraint is None or not isinstance(constraint, Sequence):
+        return [constraint] * n
+    constraints = list(constraint)
+    if len(constraints) != n:
+        raise ValueError(f"constraint has {len(constraints)} values for {n} prompts")
+    return constraints
 
 
 def _budgets(max_tokens, n: int) -> list[int]:

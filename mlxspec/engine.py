@@ -11,7 +11,7 @@ backend's `Target`; drafters see host token lists and backend arrays.
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
 from .draft_length import (AdaptiveDraftLength, DraftLengthPolicy, TreeBudget, VerifyBudget,
@@ -36,16 +36,25 @@ class Draft:
     # (E, hidden): the target's own first E layers already ran on [pending, drafts], hidden
     # (K + 1, H) their output, their caches extended (LayerSkip): the pass runs layers E.. only.
     early_exit: tuple[int, Any] | None = None
+    # A constrained row's grammar masks (mlxspec.constraint.Matcher.masks): (K + 1, words) int32
+    # on the host, the tokens each verified position allows; the target masks its logits with
+    # them before acceptance. None: nothing is masked.
+    masks: Any = None
 
     def __len__(self):
         return len(self.tokens) if isinstance(self.tokens, list) else int(self.tokens.shape[0])
+
+    def host_tokens(self) -> list[int]:
+        """The tokens as a host list: drafts on the device are read back (a wait)."""
+        return self.tokens if isinstance(self.tokens, list) else self.tokens.tolist()
 
     def prefix(self, n: int) -> "Draft":
         """The chain's first n drafts: what the drafter would have proposed with K = n, for a
         drafter whose drafts do not depend on K (Drafter.free_drafts)."""
         if n >= len(self):
             return self
-        return Draft(tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n])
+        return Draft(tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n],
+                     masks=None if self.masks is None else self.masks[: n + 1])
 
     def first_chain(self) -> "Draft":
         """The tree's branch of first children as a chain, for a target that cannot verify a
@@ -284,6 +293,19 @@ class Drafter:
     # shared width knowing which rows found drafts, and how long (VerifyBudget).
     free_drafts = False
 
+    # Its drafts depend only on the token list `propose` is given (prompt lookup, suffix
+    # decoding), so it can draft after tokens not yet committed: a grammar's forced tokens.
+    drafts_from_tokens = False
+    # Why it cannot draft under a grammar (None: it can), e.g. drafts already run in the
+    # target's own cache, which no grammar can then cut.
+    constraint_refusal: str | None = None
+
+    def check_constrainable(self) -> None:
+        """A ValueError saying why, for a drafter that cannot draft under a constraint."""
+        if self.constraint_refusal is not None:
+            raise ValueError(f"the {self.name} drafter cannot draft under a constraint: "
+                             f"{self.constraint_refusal}")
+
     # Whether it can draft for a row of a batch (a drafter that drafts inside the target's own
     # cache, LayerSkip, cannot: it says why in `batch_refusal`).
     batch_refusal: str | None = None
@@ -367,6 +389,10 @@ class SpecStats:
     generated: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    # Under a constraint: the drafts the grammar forced (verified like any draft, at no
+    # drafter's cost) and those accepted; `drafted` and `accepted` count the drafter's alone.
+    forced: int = 0
+    forced_accepted: int = 0
     plain_fallback_steps: int = 0  # steps run without drafts: the cache could not roll them back
     chain_fallback_steps: int = 0  # trees verified as their first chain: the cache holds no tree
     # Where the loop's time went: queuing passes (drafting, building and dispatching graphs) and
@@ -461,6 +487,12 @@ class Row:
     prompt_features: Any = None
     produced: int = 0
     finished: bool = False  # it stopped, ran out of tokens or was cancelled: it leaves
+    # Its constraint's grammar state (mlxspec.constraint.Matcher), None for a free row; per
+    # step, how many of its drafts the grammar forced and, where the grammar cut them, the
+    # drafter's whole draft (the drafter hears of its own draft as verified).
+    matcher: Any = None
+    forced: int = 0
+    proposed: list[int] | None = None
     # When its last step ended, for the policy's step times; None until its first step has
     # run, which is not timed: it carries one-off work (a draft model prefilling the prompt,
     # first-call allocations) that, recorded at the K in use, made that K look several times
@@ -634,19 +666,64 @@ class Loop:
         # roll back is known before proposing, so no drafter holds drafts it never hears about.
         if wanted is None:
             wanted = row.policy.next_k() if row.policy is not None else row.max_k
-        wanted = k = min(wanted, row.max_tokens - produced - 1)
-        if self.target.context_length is not None:
-            k = min(k, self.target.context_length - length)
-        room = self.target.rollback_room()
-        if room is not None and k > room - 1:
-            k = room - 1  # the pending token takes one position
+        wanted = min(wanted, row.max_tokens - produced - 1)
+        k = min(wanted, self._room(row, produced, length, rolled_back=False))
+        room = self._room(row, produced, length)
+        if k > room:
+            k = room
             row.stats.plain_fallback_steps += k <= 0 < wanted
         return max(k, 0)
+
+    def _room(self, row: Row, produced: int, length: int, rolled_back: bool = True) -> int:
+        """The most drafts `row`'s next pass may verify: within its max_tokens, the context
+        window and (`rolled_back`) what the cache can roll back."""
+        k = row.max_tokens - produced - 1
+        if self.target.context_length is not None:
+            k = min(k, self.target.context_length - length)
+        room = self.target.rollback_room() if rolled_back else None
+        if room is not None:
+            k = min(k, room - 1)  # the pending token takes one position
+        return k
+
+    def _propose_constrained(self, row: Row, k: int) -> Draft:
+        """A constrained row's draft, on the host: the tokens its grammar forces first (no
+        drafter asked), then the drafter's up to k (a drafter that drafts from tokens alone
+        drafts after the forced ones; any other only where none are forced), cut at the first
+        the grammar forbids, with one mask per verified position. A tree is verified as its
+        first chain: the grammar's masks follow one path. Drafts a drafter keeps on the device
+        are read to the host here (the masks need them)."""
+        limit = self._room(row, row.produced, len(row.tokens))
+        forced = row.matcher.forced(limit)
+        if forced and not row.drafter.drafts_from_tokens:
+            k = 0
+        k = min(k, limit - len(forced))
+        draft = row.drafter.propose(row.tokens + forced, k, row.sampling) if k > 0 \
+            else EMPTY_DRAFT
+        if row.policy is not None and len(draft):
+            kept = row.policy.keep(draft)
+            draft = draft.prefix(kept) if kept else EMPTY_DRAFT
+        if draft.parents is not None:
+            draft = draft.first_chain()
+            row.stats.chain_fallback_steps += 1
+        own = draft.host_tokens()
+        probs = draft.probs
+        if forced and probs is not None:  # forced drafts are one-hot; a drafter's p is not
+            own, probs = [], None
+        allowed = row.matcher.allowed(forced + own) - len(forced)
+        row.forced = len(forced)
+        row.proposed = forced + own if allowed < len(own) else None
+        own = own[:allowed]
+        if probs is not None:
+            probs = probs[:allowed] if allowed else None
+        tokens = forced + own
+        return Draft(tokens=tokens, probs=probs, masks=row.matcher.masks(tokens))
 
     def _propose(self, row: Row, k: int, whole: bool = False) -> Draft:
         """`row`'s draft of up to k tokens, the part its policy keeps; `whole`: all of it (a
         batch's free draft: the row's policy weighs drafts as if they cost what they cost
         alone, while the batch's width cuts it, its padding paid anyway)."""
+        if row.matcher is not None:
+            return self._propose_constrained(row, k)
         draft = row.drafter.propose(row.tokens, k, row.sampling) if k > 0 else EMPTY_DRAFT
         if row.policy is not None and not whole:
             kept = row.policy.keep(draft)
@@ -673,7 +750,7 @@ class Loop:
         key propose in one call."""
         groups: dict = {}
         for row, k in ks.items():
-            key = row.drafter.together() if k > 0 else None
+            key = row.drafter.together() if k > 0 and row.matcher is None else None
             groups.setdefault(id(row) if key is None else ("together", key), []).append(row)
         drafts = {}
         for rows in groups.values():
@@ -692,7 +769,7 @@ class Loop:
         caps, self.width_after_drafts = self.width_after_drafts, None
         if caps:  # free drafts first: the batch's width follows what they found
             found = {row: self._propose(row, cap, whole=True) for row, cap in caps.items()
-                     if row.drafter.free_drafts}
+                     if row.drafter.free_drafts and row.matcher is None}
             width = self.budget.width([self._acceptance(row, found.get(row)) for row in caps],
                                       [len(found[row]) if row in found else cap
                                        for row, cap in caps.items()])
@@ -741,8 +818,9 @@ class Loop:
     def _queue_ahead(self):
         """A plain pass queued before the current one is read, when every row's current pass
         is plain, every row's next K is known, is 0 and leaves room, and no row is waiting to
-        join or leave."""
+        join or leave. A constrained row's next mask waits for its next token: it queues none."""
         if not (self.overlap and self.rows and not self.joining and not self.filling
+                and all(r.matcher is None for r in self.rows)
                 and not any(self.step.num_drafts)
                 and all(r.k_ahead and not r.finished and r.produced + 1 < r.max_tokens
                         for r in self.rows)):
@@ -804,14 +882,28 @@ class Loop:
         stop = next((i for i, t in enumerate(new) if t in row.stop_tokens), None)
         new = new if stop is None else new[: stop + 1]
         row.tokens += verdict.committed
-        row.drafter.commit(row.tokens, verdict)
-        row.stats.record(*emitted_counts(verdict, len(new)), len(new))
-        if row.policy is not None:
-            row.policy.update(len(verdict.draft_tokens), verdict.accepted,
-                              None if row.clock is None else now - row.clock)
-        if self.budget is not None and row.shares_width:
-            self.budget.observe(row, row.drafter.name, len(verdict.draft_tokens),
-                                verdict.accepted)
+        row.drafter.commit(row.tokens, verdict if row.proposed is None else replace(
+            verdict, draft_tokens=row.proposed))  # cut by the grammar: as if rejected there
+        drafted, accepted = emitted_counts(verdict, len(new))
+        seconds = None if row.clock is None else now - row.clock
+        # The drafter's share of the step: what follows the forced drafts, tested only where
+        # they were all accepted. A step with forced drafts times no K of the drafter's.
+        forced, own, own_accepted = row.forced, len(verdict.draft_tokens), verdict.accepted
+        if row.matcher is not None:
+            row.matcher.advance(new)
+            row.stats.forced += min(forced, drafted)
+            row.stats.forced_accepted += min(forced, accepted)
+            tested = verdict.accepted >= forced
+            drafted, accepted = (drafted - min(forced, drafted), accepted - min(forced, accepted)) \
+                if tested else (0, 0)
+            own, own_accepted = (own - forced, own_accepted - forced) if tested else (0, 0)
+            seconds = None if forced else seconds
+            row.forced, row.proposed = 0, None
+        row.stats.record(drafted, accepted, len(new))
+        if row.policy is not None and (own or not forced):
+            row.policy.update(own, own_accepted, seconds)
+        if self.budget is not None and row.shares_width and (own or not forced):
+            self.budget.observe(row, row.drafter.name, own, own_accepted)
         row.produced, row.clock = row.produced + len(new), now
         row.finished = stop is not None or row.produced >= row.max_tokens
         if row.logprobs is None:
@@ -833,6 +925,7 @@ def speculative_tokens(
     stop_tokens: "set[int] | frozenset[int]" = frozenset(),
     overlap: bool = True,
     logprobs: int | None = None,
+    matcher=None,
 ) -> Iterator[tuple]:
     """One sequence through the loop (a batch of one row): yield (token, from_draft) until
     max_tokens are produced or a stop token is (yielded last); with `logprobs` n, (token,
@@ -841,7 +934,7 @@ def speculative_tokens(
     token but the last ("pending") one, so each pass starts from it and yields at least one new
     token. `adaptive`: True for the drafter's own K policy (Drafter.draft_policy, kept across
     its generations), a DraftLengthPolicy to use that one, False for a fixed K; `overlap`: see
-    Loop."""
+    Loop. `matcher`: the reply's constraint (mlxspec.constraint.Matcher), None for none."""
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     max_k = draft_limit(drafter, num_draft)
@@ -849,8 +942,10 @@ def speculative_tokens(
         policy = drafter.draft_policy(max_k, sampling.temp == 0) if adaptive and max_k else None
     else:  # a DraftLengthPolicy given (or None: a fixed K)
         policy = adaptive
+    if matcher is not None:
+        drafter.check_constrainable()
     loop = Loop(OneRow(target), overlap=overlap)
     loop.join(Row(drafter, list(prompt), sampling, max_tokens, max_k, policy,
-                  frozenset(stop_tokens), logprobs, stats))
+                  frozenset(stop_tokens), logprobs, stats, matcher=matcher))
     for event in loop:
         yield event[1:]

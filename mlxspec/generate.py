@@ -10,6 +10,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .backends import Backend, backend_for
 from .backends.mlx.target import PromptCache
+from .constraint import Constraint
 from .distributed import follow_generation, leading
 from .engine import Drafter, SpecStats, draft_limit, requested_drafts, speculative_tokens
 from .generation_lock import one_generation_per_model
@@ -48,6 +49,9 @@ class GenerationResponse:
     accepted_per_position: list[int] = field(default_factory=list)
     drafter: str = "none"
     num_draft: int = 0
+    # Under a constraint: drafts its grammar forced (counted apart from `drafted`), accepted.
+    forced: int = 0
+    forced_accepted: int = 0
     # Seconds the loop spent queuing passes (drafting, building and dispatching their graphs)
     # and waiting for their results; the rest of the time was host work between them.
     launch_seconds: float = 0.0
@@ -116,7 +120,7 @@ def stream_generate(
     temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
     seed: int | None = None, prompt_cache: PromptCache | None = None, backend: str | None = None,
     overlap: bool = True, logprobs: int | None = None, kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int = 64, constraint: Constraint | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream the continuation of `prompt` (a string or token ids, used as given).
 
@@ -124,8 +128,9 @@ def stream_generate(
     produced speculatively; the output is the same as without it (greedy: token for token;
     sampled: in distribution). The other options make a `Request` (mlxspec.request says what
     each means: max_tokens, num_draft, adaptive, temp, top_p, top_k, min_p, seed, logprobs,
-    overlap, kv_bits, kv_group_size), checked before any work; `stream_request` takes one
-    already built.
+    overlap, kv_bits, kv_group_size, constraint), checked before any work; `stream_request`
+    takes one already built. `constraint` (Constraint.json_schema, .json_object, .regex,
+    .lark) makes the reply match it, with any drafter.
     A `PromptCache` carries the target's KV cache across calls (chat turns), so only the part of
     the prompt not already in it is prefilled (a drafter that reads target features continues
     the prompt whose features it kept); `PromptCache.save`/`load` keep it in a file.
@@ -136,7 +141,7 @@ def stream_generate(
     sampling = SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     request = Request(max_tokens, sampling, num_draft=num_draft, adaptive=adaptive,
                       logprobs=logprobs, overlap=overlap, kv_bits=kv_bits,
-                      kv_group_size=kv_group_size)
+                      kv_group_size=kv_group_size, constraint=constraint)
     yield from stream_request(model, tokenizer, prompt, request, drafter=drafter,
                               prompt_cache=prompt_cache, backend=backend)
 
@@ -155,6 +160,7 @@ def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Reque
     check_request(parts, model, prompt_tokens, request.max_tokens)
     if request.kv_bits is not None and not parts.mlx_lm:
         raise ValueError(f"kv_bits quantizes MLX caches; this is a {parts.name} model")
+    matcher = request_matcher(request, tokenizer, parts.vocab_size(model))
     if follow_generation(model):  # another rank of a split target ran its share of the passes
         return
     opening = partial(open_session, model=model, tokenizer=tokenizer, drafter=drafter,
@@ -167,7 +173,7 @@ def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Reque
             session.target, session.drafter, prompt_tokens, sampling=request.sampling,
             max_tokens=request.max_tokens, num_draft=session.num_draft, stats=stats,
             adaptive=request.adaptive, stop_tokens=eos, overlap=request.overlap,
-            logprobs=request.logprobs)
+            logprobs=request.logprobs, matcher=matcher)
         detokenizer = tokenizer.detokenizer
         respond = Responses(detokenizer, len(prompt_tokens), stats, session,
                             partial(parts.peak_memory_gb, model))
@@ -196,6 +202,13 @@ def stream_request(model, tokenizer, prompt: str | Sequence[int], request: Reque
                     session.drafter.capture_layers, getattr(session.target, "prompt_state", None))
             elif session.kept is not None:
                 session.kept.remember(prompt_tokens + output)
+
+
+def request_matcher(request: Request, tokenizer, vocab_size: int):
+    """The request's constraint as a fresh grammar state over `tokenizer` (None without one)."""
+    if request.constraint is None:
+        return None
+    return request.constraint.matcher(tokenizer, vocab_size)
 
 
 def check_prompt_cache(parts: Backend, prompt_cache) -> None:
@@ -287,6 +300,8 @@ class Responses:
             accepted_per_position=list(stats.accepted_per_position),
             drafter=self.drafter,
             num_draft=self.num_draft,
+            forced=stats.forced,
+            forced_accepted=stats.forced_accepted,
             launch_seconds=stats.launch_seconds,
             wait_seconds=stats.wait_seconds,
             logprob=logprob,
@@ -314,6 +329,8 @@ def format_stats(r: GenerationResponse) -> str:
         f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.2f} tokens-per-sec",
         f"Peak memory: {r.peak_memory:.3f} GB",
     ]
+    if r.forced:
+        lines.append(f"Forced by the grammar: {r.forced} drafts, {r.forced_accepted} accepted")
     if r.drafter != "none":
         per_position = " ".join(f"{a:.2f}" for a in r.acceptance_per_position)
         lines += [

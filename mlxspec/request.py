@@ -4,6 +4,7 @@ the checked values instead of checking them again."""
 
 from dataclasses import dataclass, field
 
+from .constraint import Constraint, check_constraint
 from .sampling import SamplingConfig, is_integer
 
 MAX_LOGPROBS = 20  # OpenAI's most top_logprobs per token
@@ -72,6 +73,13 @@ class Request:
         prefilled: less memory and reading for long contexts. The output is the target's with
         that cache, drafter or not (a rollback keeps exactly the positions it keeps: each is
         quantized on its own). None keeps them in the model's dtype.
+    constraint: what the reply must match (mlxspec.Constraint: a JSON schema, any JSON object,
+        a regex, a Lark grammar), compiled before any model work. Every verified position's
+        distribution is masked by the grammar's state after the tokens before it, as
+        constrained decoding without speculation masks it (per-position masking, not the
+        distribution of replies conditioned on the grammar); tokens the grammar forces are
+        drafted for free; `logprobs` then describe the masked distribution. None constrains
+        nothing.
     """
 
     max_tokens: int = 256
@@ -82,6 +90,7 @@ class Request:
     overlap: bool = True
     kv_bits: int | None = None
     kv_group_size: int = 64
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         if self.num_draft is not None:
@@ -89,3 +98,4 @@ class Request:
         check_kv_settings(self.kv_bits, self.kv_group_size)
         check_logprobs(self.logprobs)
         check_count("max_tokens", self.max_tokens)
+        check_constraint(self.constraint)

@@ -69,6 +69,8 @@ class LayerSkipDrafter(Drafter):
 
     name = "layerskip"
     default_num_draft = 4
+    constraint_refusal = ("its drafts run inside the target's own cache, where no grammar can "
+                          "cut them")
     batch_refusal = ("it drafts inside the target's own cache, which holds one sequence; use "
                      "it with generate, chat or one request at a time")
 

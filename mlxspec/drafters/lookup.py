@@ -18,6 +18,7 @@ class PromptLookupDrafter(Drafter):
     default_num_draft = 8
     max_draft = 64  # a copied run costs nothing to draft, but each draft is verified
     free_drafts = True  # host work only, and a shorter K copies a prefix of the same run
+    drafts_from_tokens = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1,
                  reference: list[int] | None = None):

@@ -277,6 +277,7 @@ class SuffixDrafter(Drafter):
         # A chain with fewer drafts is a prefix of the same chain: a batch proposes first and
         # chooses its width knowing what was found (Drafter.free_drafts). A tree is not.
         self.free_drafts = not self.drafts_trees
+        self.drafts_from_tokens = True  # a match of the tokens' tail, whatever they are
         self._request: SuffixTrie | None = None
         self._reply: int | None = None  # this request's id in the history
         self._held = 0

@@ -59,6 +59,7 @@ from .ngram_rows import context_caches, roll_back_contexts, widened
 from .padded_rows import rerun_kept
 from .padding_probe import padding_refusal
 from .ragged_cache import ChunkedRows, RaggedKVCache, RaggedQuantizedKVCache
+from .sampling import allowed_logits
 from .state_rollback import matched_replays, roll_back_states
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
 from .window_cache import WindowKVCache, make_cache
@@ -406,6 +407,8 @@ class MLXBatchTarget:
         packed, scores, next_tokens, row_features, top_n = [], [], [], [], []
         for i, (t, k, d, s, n) in enumerate(zip(tokens, ks, drafts, samplings, logprobs)):
             row = logits[i, : k + 1]
+            if d.masks is not None:
+                row = allowed_logits(row, d.masks)
             accepted, nxt = accept_chain(row, t, d.probs, s)
             nxt = nxt.astype(mx.int32)
             top_ids = None

@@ -40,3 +40,14 @@ def sample_token(logits: mx.array, sampling: SamplingConfig) -> mx.array:
     if sampling.greedy:
         return mx.argmax(logits, axis=-1)
     return mx.random.categorical(processed_logprobs(logits, sampling))
+
+
+def allowed_logits(logits: mx.array, masks) -> mx.array:
+    """logits (K+1, V) with each row's tokens outside its grammar mask at -inf: greedy choice
+    and the acceptance rule then read the constrained distribution. `masks`: (K+1, words)
+    int32 bit masks on the host (mlxspec.constraint.Matcher.masks), bit t of word t // 32 for
+    token t, unpacked here."""
+    words = mx.array(masks, dtype=mx.int32)
+    ids = mx.arange(logits.shape[-1], dtype=mx.int32)
+    bits = mx.right_shift(words[:, ids // 32], ids % 32) & 1
+    return mx.where(bits.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -19,7 +19,7 @@ from .acceptance import accept_chain
 from .early_exit import late_forward
 from .hidden_states import capture_layer_outputs, concat_features, decoder_layers, record_inputs
 from .ngram_rows import context_caches, roll_back_contexts
-from .sampling import reported_logprobs
+from .sampling import allowed_logits, reported_logprobs
 from .state_rollback import matched_replays, roll_back_states
 from .state_tape import fused_kernel_would_run, state_tape, tape_modules
 from .target_parts import input_embedding
@@ -359,6 +359,8 @@ class MLXTarget:
     def _launch_chain(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
                       logprobs: int | None = None) -> Pass:
         logits, features = self._chain_forward(inputs, drafts.size, draft.early_exit)
+        if draft.masks is not None:
+            logits = allowed_logits(logits, draft.masks)
         accepted, next_token = accept_chain(logits, drafts, draft.probs, sampling)
         scores = None if logprobs is None else committed_scores(
             logits, drafts, mx.arange(drafts.size), accepted, next_token, sampling, logprobs)
@@ -367,6 +369,9 @@ class MLXTarget:
     def _launch_tree(self, inputs, drafts, draft: Draft, sampling: SamplingConfig,
                      logprobs: int | None = None) -> Pass:
         """One pass over a tree of drafts: every node sees its ancestors only (tree_pass)."""
+        if draft.masks is not None:
+            raise ValueError("grammar masks follow one path: send a constrained tree's first "
+                             "chain")
         shape = TreeShape(draft.parents)
         with self._tree_cache(shape) as cache:
             logits, features = self._forward(inputs, cache)  # (N+1, V), (N+1, H*n)

@@ -78,3 +78,12 @@ def temperature_rows(temps: list[float], device) -> tuple[torch.Tensor, torch.Te
     """Rows' 1 / T (B, 1) (1 where greedy) and which rows are greedy (B,)."""
     inverse = torch.tensor([[1.0 / t if t > 0 else 1.0] for t in temps], dtype=torch.float32)
     return inverse.to(device), torch.tensor([t <= 0 for t in temps]).to(device)
+
+
+def allowed_logits(logits: torch.Tensor, masks) -> torch.Tensor:
+    """logits (K+1, V) with each row's tokens outside its grammar mask at -inf, as the MLX
+    backend's allowed_logits: `masks` (K+1, words) int32 bit masks on the host."""
+    words = torch.as_tensor(masks, dtype=torch.int32).to(logits.device)
+    ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int32)
+    bits = (words[:, (ids // 32).long()] >> (ids % 32)) & 1
+    return logits.masked_fill(bits == 0, float("-inf"))

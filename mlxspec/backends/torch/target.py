@@ -27,7 +27,7 @@ from ...sampling import SamplingConfig
 from ...target_sizes import TargetSizes
 from ...tree import TreeShape
 from .acceptance import accept_greedy, accept_sampled
-from .sampling import reported_logprobs, sample_token
+from .sampling import allowed_logits, reported_logprobs, sample_token
 from .transfer import host_tokens
 from .tree_acceptance import DeviceTree, accept_tree_greedy, accept_tree_sampled
 from .window_cache import WindowLayer, rollback_windows
@@ -367,11 +367,16 @@ class TorchTarget:
         else:
             head = host_tokens([pending], self.device)
         inputs = torch.cat([head, drafts])
+        if draft.parents is not None and draft.masks is not None:
+            raise ValueError("grammar masks follow one path: send a constrained tree's first "
+                             "chain")
         if draft.parents is not None:
             return self._launch_tree(inputs, drafts, draft, sampling, logprobs)
         undoable = bool(drafts.shape[0] and self._recurrent)  # plain passes copy nothing
         self._last_pass = (snapshot(self._recurrent), inputs) if undoable else None
         logits, features = self._forward(inputs)  # (K+1, V), (K+1, H*n)
+        if draft.masks is not None:
+            logits = allowed_logits(logits, draft.masks)
         if drafts.shape[0] == 0:
             accepted = torch.zeros((), dtype=torch.long, device=self.device)
             next_token = sample_token(logits[-1], sampling)
