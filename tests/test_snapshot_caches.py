@@ -19,6 +19,7 @@ from architectures import CONFIGS, build, window
 from mlx_lm.generate import generate_step
 from test_api_hardening import tiny_tokenizer
 from test_architectures import MAX_TOKENS, assert_same, mlx_lm_tokens, ours, repeat
+from test_padded_rows import _joined_apart as joined_apart
 from tiny_models import tiny_llama
 
 import mlxspec
@@ -220,25 +221,14 @@ def test_a_batchs_rows_each_equal_their_prompt_alone(model, drafter):
         assert sum(s.drafted for s in batch.stats) > 0
 
 
-def _joined_apart(model, prompts: list) -> tuple:
-    """A batch whose rows join apart, in padded chunks; its row order as indices of prompts."""
-    batch = MLXBatchTarget(model)
-    tickets = batch.add(prompts[:2])
-    order = [t for t, _ in batch.fill(4)]
-    tickets += batch.add(prompts[2:])
-    while batch.joining:
-        order += [t for t, _ in batch.fill(4)]
-    return batch, [tickets.index(t) for t in order]
-
-
 def test_a_batchs_rolled_back_rows_each_hold_their_own_layer_caches(compressing):
     """Passes whose rows draft different numbers of tokens, wrong at different positions: after
     each, every row's LayerCaches hold what a fresh prefill of the row's kept tokens holds."""
     prompts = [past_prompt(compressing), [7, 8], [(5 * i + 1) % 64 for i in range(11)]]
-    batch, order = _joined_apart(compressing, prompts)
-    rows = [prompts[i] + [int(t) for t, _ in generate_step(mx.array(prompts[i]), compressing,
-                                                          max_tokens=24)] for i in order]
-    lengths = [len(prompts[i]) for i in order]
+    batch, ordered = joined_apart(compressing, prompts)
+    rows = [p + [int(t) for t, _ in generate_step(mx.array(p), compressing, max_tokens=24)]
+            for p in ordered]
+    lengths = [len(p) for p in ordered]
     pending = [row[n - 1] for row, n in zip(rows, lengths)]
     for step in range(6):
         drafts = []
